@@ -1,0 +1,131 @@
+"""The run configuration: one dataclass per subsystem, each a TOML table, each field a CLI flag.
+
+Flag names follow slime where slime has the concept (``--rollout-batch-size``, ``--eps-clip-high`` ...).
+Cross-field checks that need the data or the model live in ``redline.loop.validate``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from redline.configfile import option
+
+
+@dataclass
+class ModelConfig:
+    hf_checkpoint: str | None = option(None, "local HF model directory (config.json + safetensors + tokenizer)")
+    backend: Literal["auto", "bf16", "native", "te"] = option(
+        "auto", "layer backend: te (TransformerEngine FP8), native (torch._scaled_mm FP8), bf16 (no FP8); "
+        "auto picks te, then native, then bf16")
+    dtype: Literal["bfloat16", "float32", "float16"] = option("bfloat16", "parameter/activation dtype")
+    fp8_recipe: Literal["delayed", "current", "block", "mxfp8"] = option("current", "TE FP8 recipe")
+    attention_backend: Literal["auto", "flash", "sdpa"] = option("auto", "attention kernels (flash = flash-attn-4)")
+    recompute: Literal["none", "selective", "full"] = option("none", "activation recompute")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = option(1, "tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = option(1, "pipeline-parallel size (PP)")
+    sequence_parallel: bool = option(False, "sequence parallelism with TP")
+    colocate: bool = option(True, "trainer and engines share the same GPUs")
+
+
+@dataclass
+class DataConfig:
+    prompt_data: str | None = option(None, "prompt dataset (JSONL or Parquet), or 'builtin:<task>'")
+    input_key: str = option("prompt", "record key holding the prompt")
+    label_key: str | None = option("label", "record key holding the label")
+    metadata_key: str | None = option(None, "record key holding per-sample metadata")
+    apply_chat_template: bool = option(False, "wrap prompts in the tokenizer's chat template")
+    rollout_max_prompt_len: int | None = option(None, "drop (and count) prompts longer than this many tokens")
+    rollout_shuffle: bool = option(True, "shuffle prompts each epoch")
+    skip_bad_records: bool = option(False, "skip and count malformed records instead of failing")
+    eval_prompt_data: str | None = option(None, "eval dataset (JSONL or Parquet)")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_engine: Literal["auto", "embedded", "sglang"] = option("auto", "rollout engine")
+    num_rollout: int = option(10, "number of rollout steps to run")
+    rollout_batch_size: int = option(8, "prompts per rollout step")
+    n_samples_per_prompt: int = option(4, "responses sampled per prompt (group size)")
+    over_sampling_batch_size: int | None = option(None, "prompts drawn per round when a dynamic filter drops groups")
+    rollout_max_response_len: int = option(256, "max new tokens per response")
+    rollout_temperature: float = option(1.0, "sampling temperature")
+    rollout_top_p: float = option(1.0, "nucleus sampling p")
+    rollout_top_k: int = option(-1, "top-k sampling (-1: off)")
+    rollout_stop: list[str] = option([], "stop strings")
+    rollout_stop_token_ids: list[int] = option([], "stop token ids (besides EOS)")
+    rm_type: str | None = option(None, "built-in reward: math, exact_match, f1, remote_rm")
+    custom_rm_path: str | None = option(None, "reward function 'module:function'")
+    dynamic_sampling_filter_path: str | None = option(None, "group filter 'module:function'")
+    custom_generate_function_path: str | None = option(None, "custom generate 'module:function' (multi-turn, tools)")
+    partial_rollout: bool = option(False, "return unfinished groups to the buffer")
+    sglang_args: list[str] = option([], "extra SGLang server arguments, passed through")
+
+
+@dataclass
+class AlgoConfig:
+    loss_type: Literal["policy_loss", "sft"] = option("policy_loss", "policy_loss (RL) or sft")
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                 "gspo", "cispo", "ppo"] = option("grpo", "advantage estimator / algorithm")
+    normalize_advantages_by_std: bool = option(True, "divide group-centred rewards by the group std (grpo)")
+    eps_clip: float = option(0.2, "PPO clip range (lower)")
+    eps_clip_high: float | None = option(None, "PPO clip range (upper, clip-higher); defaults to eps_clip")
+    eps_clip_c: float | None = option(None, "dual-clip constant (> 1)")
+    use_kl_loss: bool = option(False, "add KL to the reference policy as a loss term")
+    kl_loss_coef: float = option(0.0, "KL loss coefficient")
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = option("low_var_kl", "KL estimator for the loss")
+    kl_coef: float = option(0.0, "KL penalty folded into the reward")
+    kl_target: float | None = option(None, "target KL for the adaptive KL controller")
+    entropy_coef: float = option(0.0, "entropy bonus coefficient")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] = option("token-mean", "loss aggregation")
+    loss_agg_constant: float | None = option(None, "normaliser for seq-mean-token-sum-norm (Dr.GRPO)")
+    use_tis: bool = option(False, "truncated importance sampling against the engine's log-probs")
+    tis_mode: Literal["truncate", "icepop"] = option("truncate", "TIS: truncate or icepop")
+    tis_clip_low: float = option(0.0, "TIS lower bound")
+    tis_clip: float = option(2.0, "TIS upper bound")
+    gamma: float = option(1.0, "discount (reinforce++, ppo)")
+    lambd: float = option(1.0, "GAE lambda (ppo)")
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = option(32, "samples per optimizer step")
+    num_steps_per_rollout: int = option(1, "optimizer steps per rollout")
+    max_tokens_per_gpu: int = option(8192, "token budget of one micro-batch")
+    lr: float = option(1e-6, "peak learning rate")
+    lr_warmup_iters: int = option(0, "linear warmup steps")
+    lr_decay_style: Literal["constant", "cosine"] = option("constant", "schedule after warmup")
+    min_lr: float = option(0.0, "floor of the cosine schedule")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.98, "AdamW beta2")
+    clip_grad: float = option(1.0, "gradient-norm clip (0: off)")
+    max_bad_steps: int = option(3, "stop after this many NaN/inf steps")
+    sft_steps: int = option(0, "SFT warm-up optimizer steps before RL")
+    sft_lr: float | None = option(None, "learning rate of the SFT warm-up (defaults to lr)")
+    seed: int = option(1234, "random seed")
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str | None = option(None, "run folder (default runs/<name>-<time>/)")
+    run_name: str = option("run", "name of the run")
+    save_interval: int | None = option(None, "save every N rollouts")
+    load: str | None = option(None, "resume from this checkpoint folder")
+    save_hf: str | None = option(None, "export an HF directory here at the end")
+    eval_interval: int | None = option(None, "evaluate every N rollouts")
+    use_wandb: bool = option(False, "also log to Weights & Biases")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

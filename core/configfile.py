@@ -1,0 +1,181 @@
+"""Typed configuration: dataclass sections, loaded from TOML and overridden by CLI flags.
+
+A config is a dataclass whose fields are section dataclasses (``[rollout]``, ``[algo]`` ... in TOML). Every
+leaf field becomes a CLI flag ``--field-name`` (slime's names where slime has the concept), so leaf names are
+unique across sections. Values are checked against the field types when they enter, and errors name the
+file, line and key.
+"""
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names where it came from."""
+
+
+def option(default: Any, help: str, **metadata) -> Any:
+    """Declare a config field with its help text (shown by ``--help``)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def leaf_fields(config_cls) -> dict[str, tuple[str, dataclasses.Field, type]]:
+    """Map each leaf field name to (section name, field, resolved type) and check names are unique."""
+    leaves: dict[str, tuple[str, dataclasses.Field, type]] = {}
+    for section in dataclasses.fields(config_cls):
+        section_cls = section.type
+        hints = typing.get_type_hints(section_cls)
+        for leaf in dataclasses.fields(section_cls):
+            if leaf.name in leaves:
+                raise TypeError(f"config field '{leaf.name}' appears in sections "
+                                f"'{leaves[leaf.name][0]}' and '{section.name}'")
+            leaves[leaf.name] = (section.name, leaf, hints[leaf.name])
+    return leaves
+
+
+def coerce(value: Any, kind: Any, where: str) -> Any:
+    """Check ``value`` (parsed from TOML or a CLI string) against the annotation ``kind``; return it typed."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for inner in options:
+            if inner is type(None):
+                continue
+            try:
+                return coerce(value, inner, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {kind}")
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(kind)[:1]
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        return [coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {kind!r} at {where}")
+
+
+def _line_of(text: str, section: str | None, key: str) -> int | None:
+    """1-based line of ``key = ...`` inside ``[section]`` of a TOML text (None when not found)."""
+    current = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        header = re.fullmatch(r"\[\s*([A-Za-z0-9_.-]+)\s*\]", stripped)
+        if header:
+            current = header.group(1)
+        elif current == section and re.match(rf"{re.escape(key)}\s*=", stripped):
+            return number
+    return None
+
+
+def _where(path: Path, text: str, section: str | None, key: str) -> str:
+    line = _line_of(text, section, key)
+    location = f"{path}:{line}" if line else str(path)
+    return f"{location}: [{section}] {key}" if section else f"{location}: {key}"
+
+
+def load_toml(config_cls, path: str | Path):
+    """Read a TOML file into ``config_cls``; unknown sections/keys and mistyped values raise ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return from_mapping(config_cls, data, source=(path, text))
+
+
+def from_mapping(config_cls, data: dict, source: tuple[Path, str] | None = None):
+    """Build ``config_cls`` from ``{section: {key: value}}``; ``source`` (path, text) is used in errors."""
+    path, text = source if source else (Path("<mapping>"), "")
+    sections = {f.name: f for f in dataclasses.fields(config_cls)}
+    built = {}
+    for name, values in data.items():
+        if name not in sections:
+            raise ConfigError(f"{path}: unknown section [{name}]; known sections: {', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{_where(path, text, None, name)}: expected a [{name}] table")
+        section_cls = sections[name].type
+        hints = typing.get_type_hints(section_cls)
+        known = {f.name for f in dataclasses.fields(section_cls)}
+        kwargs = {}
+        for key, value in values.items():
+            where = _where(path, text, name, key)
+            if key not in known:
+                close = [k for k in known if k.replace("_", "") == key.replace("-", "").replace("_", "")]
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ConfigError(f"{where}: unknown key{hint}")
+            kwargs[key] = coerce(value, hints[key], where)
+        built[name] = section_cls(**kwargs)
+    return config_cls(**built)
+
+
+def apply_overrides(config, overrides: dict[str, Any], source: str = "command line"):
+    """Return a copy of ``config`` with leaf fields replaced; values are checked like TOML values."""
+    leaves = leaf_fields(type(config))
+    changes: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if key not in leaves:
+            raise ConfigError(f"{source}: unknown option {flag_name(key)}")
+        section, _, kind = leaves[key]
+        changes.setdefault(section, {})[key] = coerce(value, kind, f"{source}: {flag_name(key)}")
+    replaced = {s: dataclasses.replace(getattr(config, s), **v) for s, v in changes.items()}
+    return dataclasses.replace(config, **replaced)
+
+
+def to_mapping(config) -> dict:
+    """The config as ``{section: {key: value}}``, the inverse of ``from_mapping`` (None values dropped)."""
+    return {
+        section.name: {k: v for k, v in dataclasses.asdict(getattr(config, section.name)).items() if v is not None}
+        for section in dataclasses.fields(config)
+    }

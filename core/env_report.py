@@ -1,0 +1,114 @@
+"""`redline env`: software versions, GPUs as NVML reports them, and the backends redline will use."""
+
+import platform
+import sys
+from dataclasses import asdict
+
+import torch
+
+from redline import __version__
+from redline.backends import select_backends
+from redline.extras import available, version
+
+PACKAGES = {
+    "triton": "triton",
+    "transformer_engine": "TransformerEngine",
+    "sglang": "SGLang",
+    "ray": "Ray",
+    "flash_attn": "flash-attn",
+    "transformers": "transformers",
+}
+
+
+def software() -> dict:
+    info = {
+        "redline": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda (torch build)": torch.version.cuda or "none (CPU build)",
+    }
+    for module, label in PACKAGES.items():
+        info[label] = version(module) if available(module) else "missing"
+    return info
+
+
+def gpus() -> dict:
+    """NVML view of every GPU: {"driver": str, "devices": [...]} or {"error": reason}."""
+    if not available("pynvml"):
+        return {"error": "nvidia-ml-py is missing (pip install 'redline[gpu]')"}
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"error": f"NVML unavailable: {exc}"}
+    try:
+        devices = [device_snapshot(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
+        return {"driver": _text(pynvml.nvmlSystemGetDriverVersion()), "devices": devices}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def device_snapshot(pynvml, index: int) -> dict:
+    """Name, memory (MiB), clocks (MHz), power (W) and temperature (C) of one GPU; NVML must be initialised."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    snapshot = {
+        "index": index,
+        "name": _text(pynvml.nvmlDeviceGetName(handle)),
+        "memory_used_mib": memory.used // 2**20,
+        "memory_total_mib": memory.total // 2**20,
+    }
+    readings = {
+        "sm_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+        "mem_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
+        "max_sm_clock_mhz": lambda: pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+        "power_w": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+        "power_limit_w": lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000.0,
+        "temperature_c": lambda: pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU),
+    }
+    for key, read in readings.items():
+        try:
+            snapshot[key] = read()
+        except pynvml.NVMLError:
+            snapshot[key] = None  # not every board exposes every sensor
+    return snapshot
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def collect() -> dict:
+    return {
+        "software": software(),
+        "platform": {"system": platform.system(), "machine": platform.machine(), "executable": sys.executable},
+        "gpus": gpus(),
+        "backends": asdict(select_backends()),
+    }
+
+
+def render(report: dict, console) -> None:
+    """Print the report as rich tables on ``console``."""
+    from rich.table import Table
+
+    table = Table(title="software", show_header=False)
+    for key, value in report["software"].items():
+        table.add_row(key, str(value), style="red" if value == "missing" else None)
+    console.print(table)
+    gpu_info = report["gpus"]
+    if "error" in gpu_info:
+        console.print(f"GPUs: none visible ({gpu_info['error']})")
+    else:
+        gpu_table = Table(title=f"GPUs (driver {gpu_info['driver']})")
+        columns = ["index", "name", "memory_used_mib", "memory_total_mib", "sm_clock_mhz", "max_sm_clock_mhz",
+                   "power_w", "power_limit_w", "temperature_c"]
+        for column in columns:
+            gpu_table.add_column(column)
+        for device in gpu_info["devices"]:
+            gpu_table.add_row(*(str(device.get(c)) for c in columns))
+        console.print(gpu_table)
+    backend_table = Table(title="backends redline will use", show_header=False)
+    for key, value in report["backends"].items():
+        backend_table.add_row(key, value)
+    console.print(backend_table)
