@@ -1,0 +1,52 @@
+"""`redline env`: versions, GPUs from NVML, backend choice."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from redline.backends import select_backends
+from redline.cli import main
+from redline.env_report import collect
+
+
+def test_report_lists_every_component():
+    software = collect()["software"]
+    for key in ["python", "torch", "cuda (torch build)", "triton", "TransformerEngine", "SGLang", "Ray",
+                "flash-attn"]:
+        assert key in software
+    assert software["torch"] == torch.__version__
+
+
+def test_json_output_is_machine_readable():
+    result = CliRunner().invoke(main, ["env", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert set(report) == {"software", "platform", "gpus", "backends"}
+    assert set(report["backends"]) == {"kernels", "fp8", "rollout"}
+
+
+def test_human_output_shows_backends():
+    result = CliRunner().invoke(main, ["env"])
+    assert result.exit_code == 0, result.output
+    assert "backends redline will use" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only backend choice")
+def test_cpu_machine_uses_reference_kernels_and_embedded_engine():
+    backends = select_backends()
+    assert backends.kernels == "torch reference"
+    assert backends.fp8 == "off"
+    assert backends.rollout == "embedded"
+    assert "error" in collect()["gpus"]
+
+
+@pytest.mark.gpu
+def test_gpu_report_reads_nvml():
+    gpus = collect()["gpus"]
+    assert "error" not in gpus, gpus
+    assert len(gpus["devices"]) == torch.cuda.device_count()
+    device = gpus["devices"][0]
+    assert device["memory_total_mib"] > 0 and device["name"]
+    assert select_backends().kernels == "triton"
