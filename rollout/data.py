@@ -1,0 +1,197 @@
+"""Prompt datasets: JSONL / Parquet records → tokenized prompt ``Sample``s, and the data source that serves
+them in groups (seeded per-epoch shuffling, a buffer of returned groups, resumable state).
+
+Record layout (keys configurable, slime's ``--input-key`` / ``--label-key`` / ``--metadata-key``):
+``{"prompt": str | [{"role": ..., "content": ...}, ...], "label": any, "metadata": {...}}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redline.extras import require
+from redline.rollout.types import Sample, Status
+
+
+class DataError(ValueError):
+    """A record of a prompt file is malformed; the message names the file and line (or row)."""
+
+
+@dataclass
+class LoadStats:
+    """What loading dropped: malformed records skipped on request, and prompts over the length limit."""
+
+    records: int = 0
+    skipped_bad: int = 0
+    filtered_too_long: int = 0
+
+
+def _jsonl_records(path: Path):
+    """Yield (location, record-or-error) for every non-blank line of a JSONL file."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield f"{path}:{lineno}", DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})")
+
+
+def _parquet_records(path: Path):
+    pq = require("pyarrow.parquet", "reading Parquet prompt data")
+    for row, record in enumerate(pq.read_table(path).to_pylist()):
+        yield f"{path} row {row}", record
+
+
+def read_records(path: str | Path):
+    """Yield ``(location, record)`` pairs from a ``.jsonl`` or ``.parquet`` file; a bad JSON line yields a
+    DataError instead of a record so the caller decides whether to raise or skip."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt data file not found: {path}")
+    if path.suffix == ".jsonl":
+        return _jsonl_records(path)
+    if path.suffix == ".parquet":
+        return _parquet_records(path)
+    raise ValueError(f"prompt data {path}: unsupported format '{path.suffix}' (use .jsonl or .parquet)")
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+class PromptDataset:
+    """Tokenized prompts of one file, in file order.
+
+    ``samples[i].tokens`` holds the prompt ids; ``prompt`` the text the ids were made from (after the chat
+    template). Prompts longer than ``max_prompt_len`` tokens are dropped and counted in ``stats``.
+    """
+
+    def __init__(self, path: str | Path, tokenizer, *, input_key: str = "prompt", label_key: str | None = "label",
+                 metadata_key: str | None = None, apply_chat_template: bool = False,
+                 max_prompt_len: int | None = None, skip_bad_records: bool = False):
+        if max_prompt_len is not None and max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+        self.path = Path(path)
+        self.stats = LoadStats()
+        self.samples: list[Sample] = []
+        self._tokenizer = tokenizer
+        self._apply_chat_template = apply_chat_template
+        for location, record in read_records(path):
+            try:
+                sample = self._to_sample(location, record, input_key, label_key, metadata_key)
+            except DataError:
+                if not skip_bad_records:
+                    raise
+                self.stats.skipped_bad += 1
+                continue
+            self.stats.records += 1
+            if max_prompt_len is not None and len(sample.tokens) > max_prompt_len:
+                self.stats.filtered_too_long += 1
+                continue
+            self.samples.append(sample)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _to_sample(self, location, record, input_key, label_key, metadata_key) -> Sample:
+        if isinstance(record, DataError):
+            raise record
+        if not isinstance(record, dict):
+            raise DataError(f"{location}: expected a JSON object, got {type(record).__name__}")
+        if input_key not in record:
+            raise DataError(f"{location}: missing input key '{input_key}' (keys: {sorted(record)})")
+        prompt = record[input_key]
+        if not (isinstance(prompt, str) or _is_messages(prompt)):
+            raise DataError(f"{location}: '{input_key}' must be a string or a list of chat messages")
+        metadata = record.get(metadata_key) if metadata_key else None
+        if metadata is not None and not isinstance(metadata, dict):
+            raise DataError(f"{location}: '{metadata_key}' must be an object, got {type(metadata).__name__}")
+        text = self._render(location, prompt)
+        tokens = list(self._tokenizer.encode(text, add_special_tokens=not self._apply_chat_template))
+        return Sample(prompt=text, tokens=tokens, label=record.get(label_key) if label_key else None,
+                      metadata=dict(metadata or {}))
+
+    def _render(self, location, prompt) -> str:
+        if self._apply_chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(prompt, str):
+            raise DataError(f"{location}: chat messages need apply_chat_template=True (--apply-chat-template)")
+        return prompt
+
+
+class DataSource:
+    """Serves prompt groups: returned (unfinished) groups first, then the dataset in a per-epoch order drawn
+    from ``seed + epoch``. The position survives ``state_dict()`` / ``load_state_dict()``."""
+
+    def __init__(self, dataset: PromptDataset, *, seed: int = 1234, shuffle: bool = True):
+        if len(dataset) == 0:
+            raise ValueError(f"prompt dataset {dataset.path} has no usable prompts (stats: {dataset.stats})")
+        self.dataset = dataset
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.offset = 0  # prompts consumed in the current epoch
+        self.next_group_index = 0
+        self.buffer: list[list[Sample]] = []
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def _next_prompt(self) -> Sample:
+        if self.offset == len(self._order):
+            self.epoch += 1
+            self.offset = 0
+            self._order = self._epoch_order()
+        sample = self.dataset.samples[self._order[self.offset]]
+        self.offset += 1
+        return sample
+
+    def get_groups(self, num_groups: int, n_samples_per_prompt: int) -> list[list[Sample]]:
+        """``num_groups`` groups of ``n_samples_per_prompt`` fresh copies of one prompt each."""
+        if num_groups < 0 or n_samples_per_prompt < 1:
+            raise ValueError(f"get_groups: need num_groups >= 0 and n_samples_per_prompt >= 1, "
+                             f"got {num_groups}, {n_samples_per_prompt}")
+        groups = self.buffer[:num_groups]
+        del self.buffer[:num_groups]
+        while len(groups) < num_groups:
+            prompt = self._next_prompt()
+            group = []
+            for i in range(n_samples_per_prompt):
+                sample = copy.deepcopy(prompt)
+                sample.group_index = self.next_group_index
+                sample.index = self.next_group_index * n_samples_per_prompt + i
+                group.append(sample)
+            self.next_group_index += 1
+            groups.append(group)
+        return groups
+
+    def add_groups(self, groups: list[list[Sample]]) -> None:
+        """Return groups to be served again (partial rollout); their generated tokens are kept."""
+        self.buffer.extend(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "next_group_index": self.next_group_index,
+                "seed": self.seed, "shuffle": self.shuffle,
+                "buffer": [[dataclasses.asdict(s) for s in g] for g in self.buffer]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["seed"], state["shuffle"]) != (self.seed, self.shuffle):
+            raise ValueError(f"data state was saved with seed={state['seed']} shuffle={state['shuffle']}, "
+                             f"this source has seed={self.seed} shuffle={self.shuffle}")
+        self.epoch, self.offset = state["epoch"], state["offset"]
+        self.next_group_index = state["next_group_index"]
+        self._order = self._epoch_order()
+        self.buffer = [[Sample(**{**s, "status": Status(s["status"])}) for s in g] for g in state["buffer"]]
