@@ -53,7 +53,7 @@ def _synchronize():
 def gpu_bench(benchmark):
     """Time ``fn`` (synchronised, after warm-up) and record the context; returns fn's last result."""
 
-    def run(fn, *, group, provider, baseline=False, flops=None, rounds=5, warmup=2, **shape):
+    def run(fn, *, group, provider, baseline=False, flops=None, rounds=5, warmup=3, **shape):
         benchmark.group = group
         info = benchmark.extra_info
         info.update(provider=provider, baseline=baseline, **shape)

@@ -108,7 +108,7 @@ def render(report: dict, console) -> None:
         for device in gpu_info["devices"]:
             gpu_table.add_row(*(str(device.get(c)) for c in columns))
         console.print(gpu_table)
-    backend_table = Table(title="backends redline will use", show_header=False)
+    backend_table = Table(title="backends", show_header=False)
     for key, value in report["backends"].items():
         backend_table.add_row(key, value)
     console.print(backend_table)

@@ -30,7 +30,7 @@ def test_json_output_is_machine_readable():
 def test_human_output_shows_backends():
     result = CliRunner().invoke(main, ["env"])
     assert result.exit_code == 0, result.output
-    assert "backends redline will use" in result.output
+    assert "backends" in result.output and "rollout" in result.output and "kernels" in result.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only backend choice")
