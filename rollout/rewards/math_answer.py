@@ -1,0 +1,151 @@
+"""Math answers: extract the final answer of a response and decide whether it equals the label.
+
+Extraction: the last ``\\boxed{...}`` (braces matched), else a "final answer is X" / "Answer: X" / "#### X"
+phrase. Equality: normalised strings, then numbers, then sympy ``simplify(a - b) == 0`` run in a worker
+process with a timeout (sympy can take unbounded time on adversarial input; a thread cannot be stopped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import re
+
+from redline.extras import require
+
+_FINAL_PHRASES = [re.compile(p, re.IGNORECASE) for p in (
+    r"final answer is[:\s]*(.+?)(?:\.\s*$|\n|$)", r"answer\s*[:=]\s*(.+?)(?:\.\s*$|\n|$)", r"####\s*(.+?)\s*$")]
+
+
+def _braced(text: str, open_at: int) -> tuple[str, int] | None:
+    """Content of the brace group opening at ``text[open_at] == '{'`` and the index after it, or None."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_at + 1:i], i + 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete ``\\boxed{...}`` / ``\\fbox{...}`` in ``text``."""
+    found = None
+    for match in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        group = _braced(text, match.end() - 1)
+        if group is not None:
+            found = group[0]
+    return found
+
+
+def extract_answer(text: str) -> str | None:
+    """The response's final answer: last boxed expression, else the last "final answer" phrase, else None."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    for pattern in _FINAL_PHRASES:
+        matches = pattern.findall(text)
+        if matches:
+            return matches[-1].strip().strip("$").strip()
+    return None
+
+
+def _replace_command(text: str, command: str, render) -> str:
+    """Rewrite every ``\\command{a}{b}...`` (brace groups matched) with ``render(*groups)``."""
+    arity = render.__code__.co_argcount
+    while (start := text.find(command + "{")) != -1:
+        pos, groups = start + len(command), []
+        for _ in range(arity):
+            group = _braced(text, pos) if pos < len(text) and text[pos] == "{" else None
+            if group is None:
+                return text  # malformed; leave it for the parser to reject
+            groups.append(group[0])
+            pos = group[1]
+        text = text[:start] + render(*groups) + text[pos:]
+    return text
+
+
+def normalize(answer: str) -> str:
+    """Strip LaTeX presentation (``$``, ``\\left``, spacing, ``\\text``, degrees, trailing period) and spaces."""
+    s = answer.strip().strip("$").strip()
+    s = _replace_command(s, "\\text", lambda a: a)
+    s = _replace_command(s, "\\mathrm", lambda a: a)
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\dfrac", "\\frac"),
+                     ("\\tfrac", "\\frac"), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", ""), ("%", ""), ("\\$", "")):
+        s = s.replace(old, new)
+    s = s.replace(" ", "").rstrip(".")
+    return s
+
+
+def latex_to_sympy_source(s: str) -> str:
+    """A sympy-parsable string for the LaTeX subset answers use (fractions, roots, powers, pi, products)."""
+    s = _replace_command(s, "\\frac", lambda a, b: f"(({a})/({b}))")
+    s = re.sub(r"\\sqrt\[([^\]]+)\]\{", r"\\root{\1}{", s)
+    s = _replace_command(s, "\\root", lambda n, a: f"(({a})**(1/({n})))")
+    s = _replace_command(s, "\\sqrt", lambda a: f"sqrt({a})")
+    for old, new in (("\\cdot", "*"), ("\\times", "*"), ("\\pi", "pi"), ("\\infty", "oo"), ("^", "**"),
+                     ("{", "("), ("}", ")")):
+        s = s.replace(old, new)
+    return s
+
+
+def _sympy_equal(a: str, b: str) -> bool:
+    """Symbolic equality of two normalised answers (runs in the worker process)."""
+    from sympy import simplify
+    from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
+                                            standard_transformations)
+
+    transformations = standard_transformations + (implicit_multiplication_application,)
+    try:
+        x = parse_expr(latex_to_sympy_source(a), transformations=transformations, evaluate=True)
+        y = parse_expr(latex_to_sympy_source(b), transformations=transformations, evaluate=True)
+        return bool(simplify(x - y) == 0)
+    except Exception:  # noqa: BLE001 - unparsable answers are simply not equal
+        return False
+
+
+def _as_number(s: str) -> float | None:
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return None
+
+
+class MathGrader:
+    """Grades answers; the sympy fallback runs in one spawned worker process, restarted after a timeout."""
+
+    def __init__(self, timeout: float = 5.0):
+        if timeout <= 0:
+            raise ValueError(f"MathGrader timeout must be > 0 seconds, got {timeout}")
+        self.timeout = timeout
+        self._pool = None
+
+    def _worker(self):
+        if self._pool is None:
+            require("sympy", "the math reward")
+            self._pool = multiprocessing.get_context("spawn").Pool(processes=1)
+        return self._pool
+
+    async def equal(self, answer: str, label: str) -> bool:
+        """True when ``answer`` and ``label`` are the same value; False on a sympy timeout."""
+        a, b = normalize(answer), normalize(str(label))
+        if a == b:
+            return True
+        x, y = _as_number(a), _as_number(b)
+        if x is not None and y is not None:
+            return abs(x - y) <= 1e-6 * max(1.0, abs(y))
+        pending = self._worker().apply_async(_sympy_equal, (a, b))
+        try:
+            return await asyncio.to_thread(pending.get, self.timeout)
+        except multiprocessing.TimeoutError:
+            self.close()  # the worker is stuck in sympy; a fresh one serves the next call
+            return False
+
+    async def score(self, response: str, label) -> float:
+        """1.0 when the response's extracted final answer equals ``label``, else 0.0 (also when none is found)."""
+        answer = extract_answer(response)
+        return float(answer is not None and await self.equal(answer, label))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
