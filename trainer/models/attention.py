@@ -1,0 +1,83 @@
+"""Causal attention over packed sequences (training) and over a KV cache (incremental decoding).
+
+Packed (THD) layout: ``q [T, h, d]``, ``k/v [T, h_kv, d]``, sequences delimited by ``cu_seqlens [S+1] int32``;
+no token attends across a sequence boundary. Grouped-query attention: ``h`` is a multiple of ``h_kv``.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from redline.extras import available, require
+
+# Up to this many packed tokens one SDPA call with a block-diagonal causal mask ([T, T] bool) is cheaper than a
+# Python loop over sequences; above it the mask's T^2 memory wins over the loop's launch overhead.
+MASKED_SDPA_MAX_TOKENS = 2048
+
+
+def flash_attention_usable(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and available("flash_attn")
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[T, T] bool``: token i may attend token j iff same sequence and j <= i."""
+    tokens = torch.arange(num_tokens, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
+    return (seq[:, None] == seq[None, :]) & (tokens[None, :] <= tokens[:, None])
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int | None, scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence: ``[T, h, d] -> [T, h, d]`` (dtype of ``q``).
+
+    flash-attn-4 varlen when installed and on CUDA; otherwise PyTorch SDPA, with a block-diagonal mask for small
+    ``T`` and one call per sequence for large ``T``.
+    """
+    if flash_attention_usable(q):
+        flash = require("flash_attn.cute", "flash-attn-4 varlen attention")
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        out = flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                           max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                           softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out  # (out, lse) in the betas that return the LSE
+    num_tokens = q.shape[0]
+    if num_tokens <= MASKED_SDPA_MAX_TOKENS:
+        mask = block_causal_mask(cu_seqlens, num_tokens)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of new tokens to a KV cache: ``q [B, L, h, d]``, caches ``[B, h_kv, S, d]``,
+    ``positions [B, L] int64`` -> ``[B, L, h, d]``.
+
+    Row b token j sees cache slots ``0..positions[b, j]``. Padding tokens (position -1) see slot 0 only, so
+    their softmax stays finite; their output is unspecified. Shapes are static (no host sync), so one decode
+    step can be captured in a CUDA graph.
+    """
+    slots = torch.arange(k_cache.shape[2], device=positions.device)
+    visible = slots[None, None, :] <= positions.clamp(min=0)[:, :, None]  # [B, L, S]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=visible[:, None],
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+class VarlenAttention(nn.Module):
+    """Core attention of the ``bf16``/``native`` backends: ``forward(q, k, v, cu_seqlens, max_seqlen)``."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q, k, v, cu_seqlens, max_seqlen=None):
+        return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)

@@ -1,0 +1,121 @@
+"""HF layout of a decoder: which model tensor holds which HF tensor(s), export and save.
+
+One table (``hf_entries``) maps each model tensor to the HF tensor(s) it holds; fused tensors (QKV, gate/up)
+list several HF names and are split/concatenated along dim 0. Export, saving and loading all read it.
+"""
+
+import copy
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def hf_entries(model) -> Iterator[tuple[tuple[str, ...], torch.Tensor, tuple[int, ...]]]:
+    """``(hf_names, tensor, parts)`` for every tensor the model (stage) holds, each layer's entries together.
+
+    ``parts`` are the dim-0 sizes of ``hf_names`` inside ``tensor`` (full, unsharded sizes).
+    """
+    spec = model.spec
+    if model.embed_tokens is not None:
+        yield ("model.embed_tokens.weight",), model.embed_tokens.weight, (spec.vocab_size,)
+    qkv_parts = (spec.q_dim, spec.kv_dim, spec.kv_dim)
+    mlp_parts = (spec.intermediate_size, spec.intermediate_size)
+    for index, layer in model.layers.items():
+        prefix = f"model.layers.{index}."
+        attn, mlp = layer.self_attn, layer.mlp
+        yield (prefix + "input_layernorm.weight",), attn.qkv.norm_weight, (spec.hidden_size,)
+        for kind in ("weight", "bias"):
+            tensor = getattr(attn.qkv, kind)
+            if tensor is not None:
+                yield tuple(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"), tensor, qkv_parts
+        if attn.q_norm is not None:
+            yield (prefix + "self_attn.q_norm.weight",), attn.q_norm.weight, (spec.head_dim,)
+            yield (prefix + "self_attn.k_norm.weight",), attn.k_norm.weight, (spec.head_dim,)
+        yield from _linear_entries(prefix + "self_attn.o_proj", attn.o_proj, spec.hidden_size)
+        yield (prefix + "post_attention_layernorm.weight",), mlp.gate_up.norm_weight, (spec.hidden_size,)
+        for kind in ("weight", "bias"):
+            tensor = getattr(mlp.gate_up, kind)
+            if tensor is not None:
+                yield (f"{prefix}mlp.gate_proj.{kind}", f"{prefix}mlp.up_proj.{kind}"), tensor, mlp_parts
+        yield from _linear_entries(prefix + "mlp.down_proj", mlp.down, spec.hidden_size)
+    if model.norm is not None:
+        yield ("model.norm.weight",), model.norm.weight, (spec.hidden_size,)
+    if model.lm_head is not None and not spec.tie_word_embeddings:
+        yield ("lm_head.weight",), model.lm_head.weight, (spec.vocab_size,)
+
+
+def _linear_entries(name, module, out_features):
+    yield (name + ".weight",), module.weight, (out_features,)
+    if module.bias is not None:
+        yield (name + ".bias",), module.bias, (out_features,)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The unsharded tensor: gathered over tensor parallelism when ``redline.trainer.parallel`` sharded it."""
+    shard = getattr(tensor, "tp_shard", None)
+    return shard.gather(tensor.detach()) if shard is not None else tensor.detach()
+
+
+@torch.no_grad()
+def export_hf(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` in HF naming and layout: full (TP-gathered) tensors, each layer's together.
+
+    Tied embeddings export only ``model.embed_tokens.weight``, as HF checkpoints do. Under TP every rank must
+    iterate (the gathers are collectives); under PP each stage yields the tensors it holds.
+    """
+    for names, tensor, parts in hf_entries(model):
+        yield from zip(names, full_tensor(tensor).split(parts, dim=0))
+
+
+def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    write: bool = True) -> None:
+    """Write ``config.json`` and safetensors shards (+ index when more than one) that ``transformers`` loads.
+
+    Tensors stream from ``export_hf`` into shards of at most ``max_shard_bytes``, each written as soon as it is
+    full. Under TP call it on every rank (the gathers are collectives) with ``write=True`` on one rank only.
+    """
+    directory = Path(directory)
+    if write:
+        directory.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[Path, list[str], int]] = []
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+
+    def flush():
+        partial = directory / f"partial-{len(written):05d}.safetensors"
+        save_file(shard, partial, metadata={"format": "pt"})
+        written.append((partial, list(shard), shard_bytes))
+        shard.clear()
+
+    for name, tensor in export_hf(model):
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+        if write:
+            shard[name] = tensor.contiguous().cpu()
+        shard_bytes += size
+    if not write:
+        return
+    flush()
+    config = copy.deepcopy(model.hf_config)
+    config.dtype = model.embed_tokens.weight.dtype
+    config.save_pretrained(directory)
+    if len(written) == 1:
+        written[0][0].rename(directory / SAFE_SINGLE)
+        return
+    weight_map = {}
+    for number, (partial, names, _) in enumerate(written, start=1):
+        file = f"model-{number:05d}-of-{len(written):05d}.safetensors"
+        partial.rename(directory / file)
+        weight_map.update({name: file for name in names})
+    index = {"metadata": {"total_size": sum(size for _, _, size in written)}, "weight_map": weight_map}
+    (directory / SAFE_INDEX).write_text(json.dumps(index, indent=2) + os.linesep)
