@@ -1,0 +1,72 @@
+"""Receivers: what an engine process does with the buckets the protocol hands it.
+
+``TargetLoader`` applies buckets to a ``{hf_name: tensor}`` target by copying (the embedded engine's process
+uses it with its parameters; the tests use it with shared-memory tensors). ``receive_forever`` is the body of a
+receiver process: it serves sync sessions on a connection until the trainer closes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from redline.sync.protocol import NamedViews, serve
+from redline.sync.transport import CudaIpcTransport, SharedMemoryTransport, Transport
+
+
+class TargetLoader:
+    """``load`` callable for ``serve``: copy each ``(name, view)`` into ``targets[name]``.
+
+    Copies are queued on the current stream (one multi-tensor launch per bucket on CUDA); the protocol makes
+    the sender wait for them before it reuses the slot. ``strict``: a name the target lacks raises KeyError
+    (naming it); otherwise such names are skipped and counted in ``skipped``. Shape or dtype disagreement
+    always raises ValueError naming the tensor. ``loaded`` collects the names written since the last
+    ``reset``.
+    """
+
+    def __init__(self, targets: Mapping[str, torch.Tensor], *, strict: bool = True):
+        self.targets = targets
+        self.strict = strict
+        self.loaded: set[str] = set()
+        self.skipped: set[str] = set()
+
+    def reset(self) -> None:
+        self.loaded.clear()
+        self.skipped.clear()
+
+    def __call__(self, views: NamedViews) -> None:
+        dsts, srcs = [], []
+        for name, view in views:
+            target = self.targets.get(name)
+            if target is None:
+                if self.strict:
+                    raise KeyError(f"the receiver has no tensor named {name!r} (it has {len(self.targets)} "
+                                   "tensors; is the export's naming the engine's HF naming?)")
+                self.skipped.add(name)
+                continue
+            if target.shape != view.shape or target.dtype != view.dtype:
+                raise ValueError(f"{name!r}: the receiver's tensor is {target.dtype}{list(target.shape)}, the "
+                                 f"bucket carries {view.dtype}{list(view.shape)}")
+            dsts.append(target)
+            srcs.append(view)
+            self.loaded.add(name)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+
+def make_transport(kind: str, device: torch.device | int | str | None = None) -> Transport:
+    """``"cuda-ipc"`` or ``"shm"`` (CPU shared memory) by name, for process entry points."""
+    if kind == "cuda-ipc":
+        return CudaIpcTransport(device)
+    if kind == "shm":
+        return SharedMemoryTransport()
+    raise ValueError(f"unknown transport {kind!r}; expected 'cuda-ipc' or 'shm'")
+
+
+def receive_forever(conn, transport: Transport, load: Callable[[NamedViews], None]) -> None:
+    """Serve syncs into ``load`` until the sender closes ``conn``; then close it on this side too."""
+    try:
+        serve(conn, transport, load)
+    finally:
+        conn.close()

@@ -1,0 +1,175 @@
+"""The pipelined protocol over CPU shared memory between processes: ordering, slot reuse, checksums,
+failures, and bit-exact weights over repeated syncs."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+import sync_procs
+from sync_export import layer_bytes, qwen3_export
+
+from redline.sync.plan import plan_for
+from redline.sync.protocol import ChecksumMismatch, ReceiverFailed, WeightSender
+from redline.sync.receiver import TargetLoader
+from redline.sync.transport import SharedMemoryTransport
+
+# fork: the CPU-only receiver inherits torch already imported, which keeps these tests fast; CUDA tests spawn.
+CTX = mp.get_context("fork")
+TIMEOUT_S = 60.0
+
+
+def start(target, *args):
+    """A receiver process and a sender connected to it."""
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    child.close()  # the child's end lives in the child only: its exit closes the channel
+    return proc, parent
+
+
+def sender_for(conn, proc, plan, **kwargs):
+    return WeightSender(conn, SharedMemoryTransport(), plan, timeout=TIMEOUT_S, alive=proc.is_alive, **kwargs)
+
+
+def stop(sender, proc):
+    sender.close()
+    proc.join(TIMEOUT_S)
+    assert proc.exitcode == 0
+
+
+def assert_targets_equal(targets, export, plan=None):
+    for name, tensor in export:
+        source = (plan.aliases.get(name, name) if plan else name)
+        assert torch.equal(targets[name], dict(export)[source]), name
+
+
+def test_twenty_syncs_leave_bit_exact_weights():
+    export = qwen3_export(num_layers=4)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.copy_receiver, targets)
+    sender = sender_for(conn, proc, plan)
+    for step in range(20):
+        export = qwen3_export(num_layers=4, seed=step)
+        report = sender.sync(export)
+        assert report.buckets == len(plan.buckets) and report.nbytes == plan.nbytes
+        assert_targets_equal(targets, export)
+    stop(sender, proc)
+
+
+def test_tied_lm_head_is_filled_from_the_embedding():
+    export = qwen3_export(num_layers=1)
+    plan = plan_for(export, tie_word_embeddings=True)
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.copy_receiver, targets)
+    sender = sender_for(conn, proc, plan)
+    sender.sync(export)
+    assert torch.equal(targets["lm_head.weight"], dict(export)["model.embed_tokens.weight"])
+    stop(sender, proc)
+
+
+def test_sender_runs_ahead_by_one_bucket_and_never_by_more_than_the_slots():
+    export = qwen3_export(num_layers=6)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    produced = torch.zeros(1, dtype=torch.int64).share_memory_()
+    seen = torch.full((len(plan.buckets),), -1, dtype=torch.int64).share_memory_()
+    proc, conn = start(sync_procs.watching_receiver, targets, produced, seen, 0.05)
+    sender = sender_for(conn, proc, plan, num_slots=2)
+
+    def counted():
+        for item in export:
+            yield item
+            produced[0] += 1
+
+    sender.sync(counted())
+    # tensors of buckets 0..k, i.e. what the sender must have produced to pack bucket k
+    through = torch.tensor([len(b.tensors) for b in plan.buckets]).cumsum(0)
+    assert_targets_equal(targets, export)
+    for k in range(1, len(plan.buckets)):
+        # bucket k's load starts only after its tensors were packed ...
+        assert seen[k] >= through[k] - 1
+        # ... and bucket k+2 cannot have been packed: its slot is the one bucket k is being read from
+        if k + 2 < len(plan.buckets):
+            assert seen[k] < through[k + 1]
+    stop(sender, proc)
+
+
+def test_one_slot_is_correct_too():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.copy_receiver, targets)
+    sender = sender_for(conn, proc, plan, num_slots=1)
+    sender.sync(export)
+    assert_targets_equal(targets, export)
+    stop(sender, proc)
+
+
+def test_bytes_changed_on_the_receiver_side_raise_checksum_mismatch():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    proc, conn = start(sync_procs.corrupting_receiver, sync_procs.shared_zeros_like(export), 2)
+    sender = sender_for(conn, proc, plan)
+    with pytest.raises(ChecksumMismatch, match=r"buckets \[2\]"):
+        sender.sync(export)
+    stop(sender, proc)
+
+
+def test_receiver_crash_is_reported_not_waited_for():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    proc, conn = start(sync_procs.crashing_receiver, sync_procs.shared_zeros_like(export), 1)
+    sender = sender_for(conn, proc, plan)
+    with pytest.raises(ReceiverFailed, match="exited|closed the channel"):
+        sender.sync(export)
+    proc.join(TIMEOUT_S)
+    assert proc.exitcode == 3
+
+
+def test_receiver_error_carries_its_traceback_and_the_next_sync_succeeds():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.failing_once_receiver, targets)
+    sender = sender_for(conn, proc, plan)
+    with pytest.raises(ReceiverFailed, match="simulated load failure"):
+        sender.sync(export)
+    sender.sync(export)
+    assert_targets_equal(targets, export)
+    stop(sender, proc)
+
+
+def test_zero_copy_sync_exports_flat_storage_without_packing():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    flats = [torch.empty(b.nbytes, dtype=torch.uint8).share_memory_() for b in plan.buckets]
+    for bucket, flat in zip(plan.buckets, flats):  # the trainer's parameters living in flat storage
+        for name, view in bucket.views(flat):
+            view.copy_(dict(export)[name])
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.copy_receiver, targets)
+    sender = sender_for(conn, proc, plan)
+    report = sender.sync_flat(flats)
+    assert report.mode == "zero-copy"
+    assert_targets_equal(targets, export)
+    stop(sender, proc)
+
+
+def test_target_loader_names_a_tensor_the_receiver_lacks():
+    loader = TargetLoader({"a": torch.zeros(2)})
+    with pytest.raises(KeyError, match="'b'"):
+        loader([("b", torch.ones(2))])
+
+
+def test_target_loader_names_a_tensor_whose_shape_differs():
+    loader = TargetLoader({"a": torch.zeros(2)})
+    with pytest.raises(ValueError, match="'a'"):
+        loader([("a", torch.ones(3))])
+
+
+def test_non_strict_target_loader_skips_and_counts_unknown_names():
+    targets = {"a": torch.zeros(2)}
+    loader = TargetLoader(targets, strict=False)
+    loader([("a", torch.ones(2)), ("b", torch.ones(2))])
+    assert torch.equal(targets["a"], torch.ones(2)) and loader.skipped == {"b"} and loader.loaded == {"a"}
