@@ -1,1 +1,10 @@
-"""redline.kernels"""
+"""redline.kernels: fused LM-head log-prob/entropy and RL policy-loss kernels, usable on their own.
+
+Importing this package needs only torch; Triton is imported when a CUDA tensor (or
+``REDLINE_KERNELS_BACKEND=triton``) first needs it. See kernels/README.md for the contract.
+"""
+
+from .linear_logprobs import fused_linear_logprobs
+from .loss_config import LossConfig
+
+__all__ = ["fused_linear_logprobs", "LossConfig"]
