@@ -46,22 +46,24 @@ def train_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
 def make_model_dir(path: str | Path, *, hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2,
                    num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, vocab_size: int = 512,
                    max_position_embeddings: int = 2048, tie_word_embeddings: bool = False,
-                   dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+                   initializer_range: float = 0.02, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Write a Qwen3 HF directory (config.json, model.safetensors, tokenizer files) with random weights.
 
-    The tokenizer's vocabulary may be smaller than ``vocab_size`` (BPE stops when merges run out); the model
-    keeps ``vocab_size`` rows so shapes stay round, the extra rows are simply never produced by the tokenizer.
+    A larger ``initializer_range`` than HF's 0.02 gives peaked next-token distributions (tests that compare
+    greedy outputs across implementations need clear argmax margins).
+
+    ``vocab_size`` is the tokenizer's training target; BPE may stop short of it when merges run out, and the
+    model gets exactly the tokenizer's size so every id it can sample decodes.
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = Path(path)
     tokenizer = train_tokenizer(vocab_size)
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}")
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=num_kv_heads, head_dim=head_dim,
                          max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                         initializer_range=initializer_range,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=None)
     torch.manual_seed(seed)

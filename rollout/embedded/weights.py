@@ -1,0 +1,63 @@
+"""HF-named weight loading into a ``redline.trainer.models`` decoder, and releasing/resuming its memory.
+
+The name table is the trainer's own (``hf_entries``): fused tensors (QKV, gate/up) receive each HF tensor in
+their dim-0 slice, so a sync bucket in HF names loads without any conversion on the sending side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redline.trainer.models.export import hf_entries
+
+# HF checkpoints of tied models may carry lm_head.weight as a copy of the embedding; HF ignores it too.
+_TIED_ALIAS = "lm_head.weight"
+
+
+class WeightLoader:
+    def __init__(self, model):
+        self.model = model
+        self.tied = model.lm_head is None
+        self.slices: dict[str, tuple[torch.Tensor, int, int]] = {}  # HF name -> (tensor, dim-0 offset, size)
+        for names, tensor, parts in hf_entries(model):
+            offset = 0
+            for name, size in zip(names, parts):
+                self.slices[name] = (tensor, offset, size)
+                offset += size
+        self._storages: list[tuple[torch.UntypedStorage, int]] = []
+
+    @torch.no_grad()
+    def load(self, named_tensors) -> None:
+        """Copy each ``(hf_name, tensor)`` into place (any device / dtype; cast on copy). Unknown names or
+        shapes raise before anything of the offending tensor is written."""
+        for name, value in named_tensors:
+            if name == _TIED_ALIAS and self.tied:
+                continue
+            if name not in self.slices:
+                raise KeyError(f"load_weights: the model has no parameter for HF tensor '{name}'")
+            tensor, offset, size = self.slices[name]
+            target = tensor.narrow(0, offset, size)
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"load_weights: '{name}' has shape {tuple(value.shape)}, the model expects "
+                                 f"{tuple(target.shape)}")
+            target.copy_(value)
+        if self.model.embed_tokens.weight.is_cuda:
+            # The sender may reuse its buffers once we return (CUDA IPC): the copies must have landed.
+            torch.cuda.synchronize(self.model.embed_tokens.weight.device)
+
+    def release(self) -> None:
+        """Free parameter memory, keeping the tensors (and their addresses' owners) for ``resume``."""
+        seen = set()
+        for param in self.model.parameters():
+            storage = param.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            self._storages.append((storage, storage.nbytes()))
+            storage.resize_(0)
+
+    def resume(self) -> None:
+        """Re-allocate parameter memory (contents undefined until the next load)."""
+        for storage, nbytes in self._storages:
+            storage.resize_(nbytes)
+        self._storages.clear()
