@@ -78,6 +78,7 @@ class AlgoConfig:
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = option("low_var_kl", "KL estimator for the loss")
     kl_coef: float = option(0.0, "KL penalty folded into the reward")
     kl_target: float | None = option(None, "target KL for the adaptive KL controller")
+    kl_horizon: int = option(10000, "samples over which the adaptive KL controller reacts")
     entropy_coef: float = option(0.0, "entropy bonus coefficient")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                            "seq-mean-token-sum-norm"] = option("token-mean", "loss aggregation")

@@ -1,0 +1,66 @@
+"""Checkpoints: HF model directory + trainer state (optimizer, scheduler, RNG, data position, counters).
+
+Layout under ``<output_dir>/checkpoints/``: ``rollout_<N>/model/`` (HF safetensors + config + tokenizer, loadable
+by transformers), ``rollout_<N>/state.pt``, and ``latest`` naming the newest ``rollout_<N>``.
+"""
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict) -> Path:
+    """Write checkpoint ``rollout_<rollout_id>`` and point ``latest`` at it; returns its folder."""
+    folder = Path(root) / f"rollout_{rollout_id}"
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "model")
+    copy_tokenizer(tokenizer_dir, tmp / "model")
+    torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "state.pt")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)  # a crash mid-save leaves the previous checkpoint intact
+    (Path(root) / "latest").write_text(folder.name)
+    return folder
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+def resolve(load: str | Path) -> Path:
+    """A checkpoint folder from ``--load``: the folder itself, or a checkpoints root / run folder (its latest)."""
+    path = Path(load)
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / "state.pt").exists():
+            return candidate
+        if (candidate / "latest").exists():
+            return candidate / (candidate / "latest").read_text().strip()
+    raise FileNotFoundError(f"--load {load}: no checkpoint there (expected state.pt or a 'latest' file)")
+
+
+def load_state(folder: Path) -> dict:
+    """The trainer state of a checkpoint; RNG states are restored by the caller with ``set_rng_state``."""
+    return torch.load(Path(folder) / "state.pt", weights_only=False)

@@ -1,0 +1,101 @@
+"""What the user sees of a run: metrics.jsonl, TensorBoard events, PNG plots and a markdown report.
+
+One record per rollout step, keyed with slime-style names (``rollout/reward_mean``, ``train/pg_loss``,
+``perf/step_time`` ...) plus ``step``.
+"""
+
+import json
+import math
+from pathlib import Path
+
+PLOTS = {
+    "reward.png": ("rollout/reward_mean", "eval/reward_mean"),
+    "kl.png": ("train/kl", "train/approx_kl"),
+    "entropy.png": ("train/entropy",),
+    "phase_times.png": ("perf/rollout_time", "perf/logprob_time", "perf/train_time", "perf/update_weights_time"),
+}
+
+
+class MetricsLog:
+    """Appends step records to ``metrics.jsonl`` and TensorBoard; draws plots and the report on ``close``."""
+
+    def __init__(self, output_dir: Path, use_wandb: bool = False, run_name: str = "run", config: dict | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.tensorboard = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+        self.records = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        self.wandb = None
+        if use_wandb:
+            from redline.extras import require
+
+            self.wandb = require("wandb", "--use-wandb")
+            self.wandb.init(project="redline", name=run_name, config=config or {}, dir=str(self.dir))
+
+    def truncate_after(self, step: int) -> None:
+        """Forget records past ``step`` (a resumed run redoes them)."""
+        self.records = [r for r in self.records if r["step"] <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.records = [r for r in self.records if r["step"] != step] + [record]
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in metrics.items():
+            if math.isfinite(float(value)):
+                self.tensorboard.add_scalar(key, float(value), step)
+        self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(record, step=step)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        points = [(r["step"], r[key]) for r in sorted(self.records, key=lambda r: r["step"]) if key in r]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    def plot(self) -> list[Path]:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        written = []
+        for name, keys in PLOTS.items():
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            drawn = False
+            for key in keys:
+                steps, values = self.series(key)
+                if steps:
+                    ax.plot(steps, values, marker="o", markersize=3, label=key)
+                    drawn = True
+            if not drawn:
+                plt.close(fig)
+                continue
+            ax.set_xlabel("rollout step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(self.dir / name, dpi=100)
+            plt.close(fig)
+            written.append(self.dir / name)
+        return written
+
+    def report(self, title: str, notes: list[str]) -> Path:
+        """A short markdown summary: first/last/best of the headline metrics, timings, and the plots."""
+        lines = [f"# {title}", "", *notes, "", "| metric | first | last | min | max |", "| --- | ---: | ---: | ---: | ---: |"]
+        keys = sorted({k for r in self.records for k in r if k != "step"})
+        for key in keys:
+            _, values = self.series(key)
+            if values:
+                lines.append(f"| {key} | {values[0]:.4g} | {values[-1]:.4g} | {min(values):.4g} | {max(values):.4g} |")
+        lines += ["", *(f"![{p.stem}]({p.name})" for p in self.plot())]
+        path = self.dir / "report.md"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def close(self) -> None:
+        self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()

@@ -1,0 +1,127 @@
+"""One RL step, top to bottom: rollout → log-probs → advantages → optimizer steps → weight sync.
+
+Reads in order; each phase is timed into ``perf/*``. Everything the step needs lives in a ``RunState``
+built once by ``redline.loop.train``.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import torch
+
+from redline.kernels.reference import kl_estimate
+from redline.loop.advantages import AdaptiveKLController, compute_advantages
+from redline.loop.batching import aggregation_weight, pack, split_by_token_budget
+from redline.rollout.types import Sample
+
+
+@dataclass
+class RunState:
+    config: object  # RunConfig
+    worker: object  # TrainerWorker
+    rollout: object  # RolloutManager: async generate(rollout_id) -> (samples, metrics)
+    engine: object  # rollout engine that receives the weights
+    loss_cfg: object  # redline.kernels.LossConfig
+    kl_controller: AdaptiveKLController | None
+    loop: asyncio.AbstractEventLoop
+
+
+def per_sample_logprobs(state: RunState, samples: list[Sample], *, reference: bool) -> list[torch.Tensor]:
+    """``[response_length]`` fp32 log-probs of every sample's response under the policy (or reference)."""
+    out: list[torch.Tensor] = [None] * len(samples)
+    lengths = [len(s.tokens) for s in samples]
+    for ids in split_by_token_budget(lengths, state.config.train.max_tokens_per_gpu):
+        batch = pack(samples, ids, {})
+        logp, _ = state.worker.logprobs(batch, reference=reference)
+        for sid, values in zip(ids, batch.response_values(logp.float().cpu(), samples)):
+            out[sid] = values
+    return out
+
+
+def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
+    cfg, algo = state.config, state.config.algo
+    step_start = time.perf_counter()
+
+    # 1. rollout: generate n samples per prompt, score them, filter groups
+    samples, metrics = state.loop.run_until_complete(state.rollout.generate(rollout_id))
+    rollout_time = time.perf_counter() - step_start
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    rollout_logp = [torch.tensor(s.rollout_logp, dtype=torch.float32) for s in samples]
+    loss_masks = torch.cat([torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples])
+
+    # 2. old / reference log-probs (old ones are reused when the weights cannot move before the loss sees them)
+    t0 = time.perf_counter()
+    kl_coef = state.kl_controller.coef if state.kl_controller else algo.kl_coef
+    reuse_old = cfg.train.num_steps_per_rollout == 1 and kl_coef == 0
+    need_ref = state.loss_cfg.kl_coef > 0 or kl_coef > 0
+    old_logp = None if reuse_old else per_sample_logprobs(state, samples, reference=False)
+    ref_logp = per_sample_logprobs(state, samples, reference=True) if need_ref else None
+    logprob_time = time.perf_counter() - t0
+
+    # 3. advantages (KL in the reward when --kl-coef > 0)
+    cu_resp = torch.tensor([0] + [s.response_length for s in samples]).cumsum(0)
+    kl = kl_estimate(torch.cat(old_logp) - torch.cat(ref_logp), algo.kl_loss_type) if kl_coef else None
+    advantages, _ = compute_advantages(
+        algo.advantage_estimator, rewards, torch.tensor([s.group_index for s in samples]), cu_resp, loss_masks,
+        kl=kl, kl_coef=kl_coef, normalize_by_std=algo.normalize_advantages_by_std, gamma=algo.gamma,
+        lambd=algo.lambd)
+    per_token = {"advantages": list(advantages.split(cu_resp.diff().tolist())), "rollout_logp": rollout_logp}
+    if old_logp is not None:
+        per_token["old_logp"] = old_logp
+    if ref_logp is not None and state.loss_cfg.kl_coef > 0:
+        per_token["ref_logp"] = ref_logp
+    if not state.loss_cfg.tis:
+        del per_token["rollout_logp"]  # the loss reads it only for TIS
+
+    # 4. optimizer steps over global batches of packed micro-batches
+    t0 = time.perf_counter()
+    train_metrics: list[dict[str, float]] = []
+    gbs = cfg.train.global_batch_size
+    trained_tokens = 0
+    for step in range(cfg.train.num_steps_per_rollout):
+        ids = list(range(step * gbs, (step + 1) * gbs))
+        lengths = [len(samples[i].tokens) for i in ids]
+        batches = [pack(samples, [ids[j] for j in group], per_token)
+                   for group in split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)]
+        units = [aggregation_weight(b, state.loss_cfg.agg) for b in batches]
+        weights = [u / max(sum(units), 1) for u in units]
+        train_metrics.append(state.worker.step(
+            batches, weights,
+            lambda b: state.worker.policy_loss(b, state.loss_cfg, reuse_old_logp=reuse_old)))
+        trained_tokens += sum(lengths)
+        if state.worker.bad_steps > cfg.train.max_bad_steps:
+            raise FloatingPointError(f"{state.worker.bad_steps} steps had a NaN/inf loss or gradient "
+                                     f"(--max-bad-steps {cfg.train.max_bad_steps}); stopping")
+    train_time = time.perf_counter() - t0
+
+    # 5. weight sync: the engine gets the new weights before the next rollout
+    t0 = time.perf_counter()
+    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
+                                                              version=str(rollout_id + 1)))
+    sync_time = time.perf_counter() - t0
+
+    if state.kl_controller and kl is not None:
+        state.kl_controller.update(float(kl[loss_masks].mean()), len(samples))
+    step_time = time.perf_counter() - step_start
+    trained = [m for m in train_metrics if not m["skipped"]] or train_metrics
+    mean = lambda key: sum(m.get(key, 0.0) for m in trained) / len(trained)  # noqa: E731
+    metrics.update({
+        "train/loss": mean("loss"), "train/pg_loss": mean("pg_loss"), "train/kl": mean("kl"),
+        "train/entropy": mean("entropy"), "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
+        "train/grad_norm": mean("grad_norm"), "train/lr": train_metrics[-1]["lr"],
+        "train/skipped_steps": sum(m["skipped"] for m in train_metrics),
+        "train/kl_coef": kl_coef,
+        "perf/rollout_time": rollout_time, "perf/logprob_time": logprob_time, "perf/train_time": train_time,
+        "perf/update_weights_time": sync_time, "perf/step_time": step_time,
+        "perf/tokens_per_gpu_per_sec": trained_tokens / train_time,
+        "perf/train_tflops": 6 * state.worker.num_parameters * trained_tokens / train_time / 1e12,
+    })
+    if old_logp is not None:
+        diffs = torch.cat([(o - r).abs() for o, r in zip(old_logp, rollout_logp)])
+        metrics["train/rollout_logprob_abs_diff"] = float(diffs[loss_masks].mean())
+    else:
+        metrics["train/rollout_logprob_abs_diff"] = mean("rollout_logprob_abs_diff")
+    if state.loss_cfg.tis:
+        metrics.update({"train/tis_mean": mean("tis_mean"), "train/tis_clipfrac": mean("tis_clipfrac")})
+    return metrics

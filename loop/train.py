@@ -1,0 +1,159 @@
+"""``redline train``: build the run (validate → model → engine → rollout → worker), warm up, loop, report."""
+
+import asyncio
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from redline.configfile import ConfigError, apply_overrides, to_mapping
+from redline.loop import checkpoint
+from redline.loop.advantages import AdaptiveKLController
+from redline.loop.builtin import materialize
+from redline.loop.sft import sft_warmup
+from redline.loop.step import RunState, rl_step
+from redline.loop.validate import loss_config, validate
+from redline.loop.worker import TrainerWorker
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def output_dir_for(config) -> Path:
+    if config.checkpoint.output_dir:
+        return Path(config.checkpoint.output_dir)
+    return Path("runs") / f"{config.checkpoint.run_name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def resolve_backend(config) -> str:
+    from redline.backends import select_backends
+
+    if config.model.backend != "auto":
+        return config.model.backend
+    fp8 = select_backends().fp8
+    return {"te": "te", "native": "native"}.get(fp8, "bf16")
+
+
+def build(config, out: Path, console: Console) -> RunState:
+    from transformers import AutoTokenizer
+
+    from redline.rollout import build_rollout
+    from redline.trainer.models import from_pretrained
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[config.model.dtype] if device.type == "cuda" else torch.float32
+    backend = resolve_backend(config)
+    console.print(f"model {config.model.hf_checkpoint} · backend {backend} · {dtype} · {device}")
+    tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+    model = from_pretrained(config.model.hf_checkpoint, backend=backend, dtype=dtype, device=device)
+    loop = asyncio.new_event_loop()
+    engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype)
+    loss_cfg = loss_config(config)
+    total_steps = config.rollout.num_rollout * config.train.num_steps_per_rollout
+    worker = TrainerWorker(model, config.train, total_steps=total_steps,
+                           temperature=config.rollout.rollout_temperature,
+                           keep_reference=loss_cfg.kl_coef > 0 or config.algo.kl_coef > 0)
+    kl_controller = (AdaptiveKLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
+                     if config.algo.kl_target is not None else None)
+    return RunState(config=config, worker=worker, rollout=rollout, engine=engine, loss_cfg=loss_cfg,
+                    kl_controller=kl_controller, loop=loop), tokenizer
+
+
+def trainer_state(state: RunState) -> dict:
+    return {"worker": state.worker.state_dict(), "rollout": state.rollout.state_dict(),
+            "kl_controller": state.kl_controller.state_dict() if state.kl_controller else None}
+
+
+def restore(state: RunState, folder: Path) -> int:
+    """Load a checkpoint's weights and state into the run; returns the next rollout id."""
+    from redline.trainer.models.load import load_hf_weights
+
+    saved = checkpoint.load_state(folder)
+    load_hf_weights(state.worker.model, folder / "model")
+    state.worker.load_state_dict(saved["worker"])
+    state.rollout.load_state_dict(saved["rollout"])
+    if state.kl_controller and saved["kl_controller"]:
+        state.kl_controller.load_state_dict(saved["kl_controller"])
+    checkpoint.set_rng_state(saved["rng"])
+    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
+                                                              version=str(saved["rollout_id"] + 1)))
+    return saved["rollout_id"] + 1
+
+
+def run(config, config_path=None) -> int:
+    console = Console()
+    out = output_dir_for(config)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        config = apply_overrides(config, materialize(config, out / "builtin"), source="built-in")
+        validate(config)
+    except (ConfigError, ValueError) as exc:
+        console.print(f"[red]configuration error:[/red] {exc}")
+        return 2
+    torch.manual_seed(config.train.seed)
+    _write_config(config, out)
+    from redline.loop.metrics import MetricsLog
+
+    metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
+                         config=to_mapping(config))
+    state, tokenizer = build(config, out, console)
+    start = 0
+    if config.checkpoint.load:
+        folder = checkpoint.resolve(config.checkpoint.load)
+        start = restore(state, folder)
+        metrics.truncate_after(start - 1)
+        console.print(f"resumed from {folder} at rollout {start}")
+    elif config.train.sft_steps:
+        warm = sft_warmup(state, tokenizer)
+        metrics.log(0, warm)
+        console.print(f"SFT warm-up: {config.train.sft_steps} steps, loss {warm['sft/loss']:.3f}, "
+                      f"eval reward {warm.get('eval/reward_mean', float('nan')):.3f}")
+    began = time.perf_counter()
+    for rollout_id in range(start, config.rollout.num_rollout):
+        step_metrics = rl_step(state, rollout_id)
+        step = rollout_id + 1
+        if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
+            step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
+        metrics.log(step, step_metrics)
+        console.print(_progress_line(step, config.rollout.num_rollout, step_metrics))
+        if config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0:
+            checkpoint.save(out / "checkpoints", rollout_id, state.worker.model,
+                            Path(config.model.hf_checkpoint), trainer_state(state))
+    if config.checkpoint.save_hf:
+        state.worker.model.save_pretrained(config.checkpoint.save_hf)
+        checkpoint.copy_tokenizer(Path(config.model.hf_checkpoint), Path(config.checkpoint.save_hf))
+    report = metrics.report(f"redline run {config.checkpoint.run_name}", [
+        f"config: {config_path}", f"output: {out}", f"RL steps: {config.rollout.num_rollout - start} in "
+        f"{time.perf_counter() - began:.1f} s"])
+    metrics.close()
+    state.loop.run_until_complete(state.engine.shutdown())
+    console.print(f"report: {report}")
+    return 0
+
+
+def _progress_line(step: int, total: int, m: dict) -> str:
+    return (f"[{step}/{total}] reward {m['rollout/reward_mean']:.3f} · len {m['rollout/response_len_mean']:.1f} · "
+            f"pg {m['train/pg_loss']:+.4f} · kl {m['train/kl']:.4f} · ent {m['train/entropy']:.3f} · "
+            f"rollout {m['perf/rollout_time']:.2f}s train {m['perf/train_time']:.2f}s "
+            f"sync {m['perf/update_weights_time'] * 1e3:.0f}ms")
+
+
+def _write_config(config, out: Path) -> None:
+    lines = []
+    for section, values in to_mapping(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    (out / "config.toml").write_text("\n".join(lines))
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,121 @@
+"""Whole-configuration checks that run before any model loads; each failure names the flag or file."""
+
+import json
+from pathlib import Path
+
+from redline.configfile import ConfigError
+from redline.extras import available
+
+
+def loss_config(config):
+    """The ``redline.kernels.LossConfig`` the run's algorithm settings describe."""
+    from redline.kernels import LossConfig
+
+    algo = config.algo
+    estimator = {"gspo": "gspo", "cispo": "cispo"}.get(algo.advantage_estimator, "ppo")
+    agg, constant = algo.loss_agg_mode, algo.loss_agg_constant
+    if algo.advantage_estimator == "dr_grpo" and agg == "token-mean":
+        # Dr.GRPO's aggregation: Σ m·x / (S · C), C = the generation budget
+        agg, constant = "seq-mean-token-sum-norm", constant or float(config.rollout.rollout_max_response_len)
+    return LossConfig(estimator=estimator, eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high,
+                      eps_clip_c=algo.eps_clip_c, kl_type=algo.kl_loss_type,
+                      kl_coef=algo.kl_loss_coef if algo.use_kl_loss else 0.0, entropy_coef=algo.entropy_coef,
+                      tis=algo.tis_mode if algo.use_tis else None, tis_clip_low=algo.tis_clip_low,
+                      tis_clip=algo.tis_clip, agg=agg, agg_constant=constant)
+
+
+def check_batch_arithmetic(config) -> None:
+    r, t = config.rollout, config.train
+    produced = r.rollout_batch_size * r.n_samples_per_prompt
+    consumed = t.global_batch_size * t.num_steps_per_rollout
+    if produced != consumed:
+        raise ConfigError(
+            f"--rollout-batch-size ({r.rollout_batch_size}) × --n-samples-per-prompt ({r.n_samples_per_prompt}) = "
+            f"{produced} samples per rollout, but --global-batch-size ({t.global_batch_size}) × "
+            f"--num-steps-per-rollout ({t.num_steps_per_rollout}) = {consumed}; they must be equal")
+    for flag, value in [("--rollout-batch-size", r.rollout_batch_size), ("--n-samples-per-prompt",
+                        r.n_samples_per_prompt), ("--num-rollout", r.num_rollout), ("--max-tokens-per-gpu",
+                        t.max_tokens_per_gpu), ("--rollout-max-response-len", r.rollout_max_response_len)]:
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if r.n_samples_per_prompt < 2 and config.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo", "gspo", "cispo"):
+        raise ConfigError(f"--advantage-estimator {config.algo.advantage_estimator} compares samples within a "
+                          f"group: --n-samples-per-prompt must be >= 2")
+
+
+def check_model_dir(path: str | None) -> None:
+    if not path:
+        raise ConfigError("--hf-checkpoint is required (a local HF model directory)")
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"--hf-checkpoint {folder}: not a directory")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--hf-checkpoint {folder}: config.json is missing")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            raise ConfigError(f"--hf-checkpoint {folder}: shards listed in {index.name} are missing: {missing}")
+    elif not any(folder.glob("*.safetensors")):
+        raise ConfigError(f"--hf-checkpoint {folder}: no *.safetensors weights")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        raise ConfigError(f"--hf-checkpoint {folder}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+
+
+def check_data(path: str | None, input_key: str, label_key: str | None, flag: str, needs_label: bool) -> None:
+    """The file exists and its first record has the keys the run reads."""
+    from redline.rollout.data import read_records
+
+    if not path:
+        raise ConfigError(f"{flag} is required")
+    if not Path(path).is_file():
+        raise ConfigError(f"{flag} {path}: file not found")
+    try:
+        location, first = next(iter(read_records(path)))
+    except StopIteration:
+        raise ConfigError(f"{flag} {path}: the file holds no records") from None
+    if isinstance(first, Exception):
+        raise ConfigError(str(first))
+    if input_key not in first:
+        raise ConfigError(f"{location}: no key '{input_key}' (--input-key); keys there: {sorted(first)}")
+    if needs_label and (label_key is None or label_key not in first):
+        raise ConfigError(f"{location}: no label key '{label_key}' (--label-key), which rewards/SFT need; "
+                          f"keys there: {sorted(first)}")
+
+
+def check_backends(config) -> None:
+    import torch
+
+    backend = config.model.backend
+    if backend == "te" and not available("transformer_engine"):
+        raise ConfigError("--backend te needs TransformerEngine: pip install 'redline[te]'")
+    if backend in ("te", "native") and not torch.cuda.is_available():
+        raise ConfigError(f"--backend {backend} is FP8 and needs a CUDA GPU; use --backend bf16 on this machine")
+    if config.rollout.rollout_engine == "sglang" and not available("sglang"):
+        raise ConfigError("--rollout-engine sglang needs SGLang: pip install 'redline[sglang]'")
+    if config.model.dtype == "float16":
+        raise ConfigError("--dtype float16 is not supported for training (use bfloat16 or float32)")
+
+
+def validate(config) -> None:
+    """Every check that can fail before a model loads; raises ConfigError naming the flag or file."""
+    check_batch_arithmetic(config)
+    check_model_dir(config.model.hf_checkpoint)
+    needs_label = config.rollout.rm_type is not None or config.train.sft_steps > 0 or config.algo.loss_type == "sft"
+    check_data(config.data.prompt_data, config.data.input_key, config.data.label_key, "--prompt-data", needs_label)
+    if config.data.eval_prompt_data:
+        check_data(config.data.eval_prompt_data, config.data.input_key, config.data.label_key,
+                   "--eval-prompt-data", needs_label)
+    if config.rollout.rm_type is None and config.rollout.custom_rm_path is None and config.algo.loss_type != "sft":
+        raise ConfigError("RL needs a reward: set --rm-type or --custom-rm-path")
+    if config.algo.advantage_estimator == "ppo":
+        raise ConfigError("--advantage-estimator ppo needs a critic, which redline does not have yet; "
+                          "use grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), gspo or cispo")
+    if config.algo.kl_target is not None and config.algo.kl_coef <= 0:
+        raise ConfigError("--kl-target adapts --kl-coef, which must then be > 0")
+    check_backends(config)
+    try:
+        loss_config(config)
+    except ValueError as exc:
+        raise ConfigError(f"loss settings: {exc}") from exc

@@ -1,0 +1,121 @@
+"""The trainer worker: owns the policy, its optimiser and the reference; computes log-probs and takes steps.
+
+A plain class with narrow methods, so a Ray actor can wrap it unchanged. All LM-head work goes through
+``redline.kernels`` (no ``[T, V]`` logits tensor is ever built).
+"""
+
+import math
+
+import torch
+
+from redline.kernels import LossConfig, fused_linear_logprobs, fused_linear_policy_loss, policy_loss
+from redline.loop.batching import MicroBatch
+from redline.loop.reference import ReferencePolicy
+from redline.loop.schedule import build_optimizer, build_scheduler
+
+
+def _forward_hidden(model, batch: MicroBatch) -> torch.Tensor:
+    return model(batch.input_ids, batch.cu_seqlens)
+
+
+class TrainerWorker:
+    """``temperature``: the rollout temperature the log-probs are taken at (logits / temperature)."""
+
+    def __init__(self, model, train_cfg, *, total_steps: int, temperature: float, keep_reference: bool):
+        self.model = model
+        self.cfg = train_cfg
+        self.temperature = temperature
+        self.optimizer = build_optimizer(model.parameters(), train_cfg)
+        self.scheduler = build_scheduler(self.optimizer, train_cfg, total_steps)
+        self.rl_optimizer = (self.optimizer, self.scheduler)
+        self.reference = ReferencePolicy(model) if keep_reference else None
+        self.bad_steps = 0
+        self.device = next(model.parameters()).device
+        self.num_parameters = sum(p.numel() for p in model.parameters())
+
+    @torch.no_grad()
+    def logprobs(self, batch: MicroBatch, *, reference: bool = False,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``logp [T]`` (0 off the loss positions) and optionally ``entropy [T]`` of the policy or reference."""
+        batch = batch.to(self.device)
+        if reference:
+            with self.reference.active(self.model) as model:
+                return self._logprobs(model, batch, with_entropy)
+        return self._logprobs(self.model, batch, with_entropy)
+
+    def _logprobs(self, model, batch, with_entropy):
+        hidden = _forward_hidden(model, batch)
+        return fused_linear_logprobs(hidden, model.lm_head_weight(), batch.targets, temperature=self.temperature,
+                                     mask=batch.loss_mask, return_entropy=with_entropy)
+
+    def policy_loss(self, batch: MicroBatch, loss_cfg: LossConfig, *, reuse_old_logp: bool):
+        """Loss and metrics of one micro-batch (graph attached). With ``reuse_old_logp`` the old log-probs are
+        this forward's own (detached): exact when weights have not changed since the rollout."""
+        values = batch.token_values
+        hidden = _forward_hidden(self.model, batch)
+        weight = self.model.lm_head_weight()
+        optional = dict(ref_logp=values.get("ref_logp"), rollout_logp=values.get("rollout_logp"),
+                        cu_seqlens=batch.cu_seqlens)
+        if reuse_old_logp:
+            logp, entropy = fused_linear_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
+                                                  mask=batch.loss_mask, return_entropy=True)
+            loss, metrics = policy_loss(logp, logp.detach(), values["advantages"], batch.loss_mask, cfg=loss_cfg,
+                                        entropy=entropy, **optional)
+            if "rollout_logp" in values:
+                diff = (logp.detach() - values["rollout_logp"]).abs()
+                metrics["rollout_logprob_abs_diff"] = diff[batch.loss_mask].sum() / batch.loss_mask.sum().clamp(min=1)
+            return loss, metrics
+        return fused_linear_policy_loss(hidden, weight, batch.targets, values["old_logp"], values["advantages"],
+                                        batch.loss_mask, cfg=loss_cfg, temperature=self.temperature, **optional)
+
+    def sft_loss(self, batch: MicroBatch):
+        """Token-mean negative log-likelihood of the masked tokens (at temperature 1)."""
+        hidden = _forward_hidden(self.model, batch)
+        logp, _ = fused_linear_logprobs(hidden, self.model.lm_head_weight(), batch.targets, mask=batch.loss_mask)
+        loss = -logp.sum() / batch.loss_mask.sum().clamp(min=1)
+        return loss, {"sft_loss": loss.detach()}
+
+    def begin_sft(self, lr: float, steps: int) -> None:
+        """Switch to a fresh optimiser for an SFT warm-up of ``steps`` steps at ``lr`` (warmup, then constant)."""
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg, lr=lr)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg, steps)
+
+    def end_sft(self) -> None:
+        """Back to the RL optimiser (its moments untouched by the warm-up)."""
+        self.optimizer, self.scheduler = self.rl_optimizer
+
+    def step(self, batches: list[MicroBatch], weights: list[float], loss_fn) -> dict[str, float]:
+        """One optimizer step over micro-batches: Σ weight·loss, clip, step; NaN/inf loss or gradient → skip.
+
+        ``loss_fn(batch) -> (loss, metrics)``; returns metric averages (by weight), ``grad_norm``, ``lr`` and
+        ``skipped`` (1.0 when the step was skipped)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        for batch, weight in zip(batches, weights):
+            loss, metrics = loss_fn(batch.to(self.device))
+            (loss * weight).backward()
+            for key, value in {"loss": loss.detach(), **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + value.detach().float() * weight
+        clip = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        result = {k: float(v) for k, v in totals.items()}
+        result.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
+        if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            result["skipped"] = 1.0
+            return result
+        self.optimizer.step()
+        self.scheduler.step()
+        result["skipped"] = 0.0
+        return result
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "bad_steps": self.bad_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.bad_steps = state["bad_steps"]
