@@ -59,7 +59,7 @@ class ReceiverFailed(SyncError):
 class SyncReport:
     """What one sync did. Times are host wall-clock seconds; ``seconds`` ends after the checksum comparison."""
 
-    mode: str  # "pipelined" | "zero-copy"
+    mode: str  # "pipelined" | "zero-copy" | "broadcast"
     buckets: int
     nbytes: int
     seconds: float
