@@ -52,12 +52,24 @@ def _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_h, stride_w
 
 
 @triton.jit
+def _grouped(pid, n_m, n_n, GROUP_M: tl.constexpr):
+    """(m, n) of program ``pid`` in GROUP_M-row bands, m fastest: the programs in flight share a few row tiles
+    of hidden and a few column tiles of W, which then stay in L2 (an m-fastest 2-D grid would stream all of
+    hidden through L2 once per vocab tile)."""
+    per_band = GROUP_M * n_n
+    band = pid // per_band
+    first_m = band * GROUP_M
+    rows_in_band = tl.minimum(n_m - first_m, GROUP_M)
+    local = pid % per_band
+    return first_m + local % rows_in_band, local // rows_in_band
+
+
+@triton.jit
 def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr, hit_ptr,
                   R, V, H, stride_h, stride_w, vocab_offset, inv_temp, n_splits,
                   HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
+                  GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, split = _grouped(tl.program_id(0), tl.cdiv(R, BLOCK_M), n_splits, GROUP_M)
     offs_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_r < R
     if HAS_ROWS:
@@ -107,9 +119,10 @@ def _stats_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr
 def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dz_ptr,
                     row_start, n_rows, col_start, n_cols, H, stride_h, stride_w, stride_dz, vocab_offset, inv_temp,
                     HAS_ROWS: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    local_r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    local_c = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N), GROUP_M)
+    local_r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_c = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = local_r < n_rows
     col_ok = local_c < n_cols
     sel = row_start + local_r  # index into the selected rows (and into lse, grads)
@@ -135,25 +148,44 @@ def _dlogits_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, lse_ptr, ent_ptr, glp_ptr, ge
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _blocks(kind: str, dtype: torch.dtype) -> dict:
-    """Tile shape and launch options; the interpreter gets tiny tiles (it runs them in numpy)."""
+def _configs(dtype_is_fp32: bool) -> list:
+    """Launch configurations tried by the autotuner on the GPU (the interpreter runs one tiny tile)."""
     if _interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
-    wide = dtype != torch.float32
-    if kind == "stats":
-        return dict(BLOCK_M=128, BLOCK_N=128 if wide else 64, BLOCK_K=64 if wide else 32, num_warps=8,
-                    num_stages=4 if wide else 2)
-    return dict(BLOCK_M=128, BLOCK_N=128 if wide else 64, BLOCK_K=64 if wide else 32, num_warps=8,
-                num_stages=4 if wide else 2)
+        return [triton.Config(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2))]
+    if dtype_is_fp32:
+        return [triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8), num_warps=4, num_stages=2)]
+    shapes = [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 4),
+              (256, 128, 64, 8, 3)]
+    return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=16), num_warps=w, num_stages=st)
+            for m, n, k, w, st in shapes]
 
 
-def _num_splits(n_rows: int, vocab: int, block_m: int, block_n: int, device: torch.device) -> int:
-    """Vocab splits so the grid covers the GPU several times over (few rows → more splits)."""
+def _tuned(kernel, fp32: bool):
+    configs = _configs(fp32)
+    if len(configs) == 1:
+        return kernel, configs[0]
+    return triton.autotune(configs, key=["H"])(kernel), None
+
+
+_STATS = {fp32: _tuned(_stats_kernel, fp32) for fp32 in (False, True)}
+_DLOGITS = {fp32: _tuned(_dlogits_kernel, fp32) for fp32 in (False, True)}
+ALIGN = 16 if _interpreting() else 256  # chunk sizes are multiples of every tile size above
+
+
+def _launch(table, dtype, grid_of, *args, **kwargs):
+    kernel, config = table[dtype == torch.float32]
+    if config is None:
+        kernel[lambda meta: grid_of(meta)](*args, **kwargs)
+    else:
+        kernel[grid_of(config.kwargs)](*args, **kwargs, **config.kwargs, num_warps=config.num_warps,
+                                       num_stages=config.num_stages)
+
+
+def _num_splits(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Vocab splits per row tile: ~4096 columns each, more when few rows would leave SMs idle."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    row_tiles = triton.cdiv(max(n_rows, 1), block_m)
-    vocab_tiles = triton.cdiv(vocab, block_n)
-    wanted = triton.cdiv(8 * sms, row_tiles)
-    return max(1, min(vocab_tiles, max(wanted, triton.cdiv(vocab_tiles, 64))))
+    row_tiles = triton.cdiv(max(n_rows, 1), 128)
+    return max(1, min(triton.cdiv(vocab, 128), max(triton.cdiv(8 * sms, row_tiles), triton.cdiv(vocab, 4096))))
 
 
 def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int) -> RowStats:
@@ -164,16 +196,14 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     """
     n_rows = hidden.shape[0] if rows is None else rows.numel()
     vocab, width = weight.shape
-    cfg = _blocks("stats", hidden.dtype)
-    splits = _num_splits(n_rows, vocab, cfg["BLOCK_M"], cfg["BLOCK_N"], hidden.device)
+    splits = _num_splits(n_rows, vocab, hidden.device)
     parts = torch.empty((5, n_rows, splits), dtype=torch.float32, device=hidden.device)
     if n_rows == 0:
         return RowStats(*(p[:, 0] for p in parts))
-    grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), splits)
-    _stats_kernel[grid](hidden, weight, targets, rows if rows is not None else targets, *parts,
-                        n_rows, vocab, width, hidden.stride(0), weight.stride(0), vocab_offset, inv_temp, splits,
-                        HAS_ROWS=rows is not None, UPCAST=_interpreting(), PRECISION=_dot_precision(hidden.dtype),
-                        **cfg)
+    _launch(_STATS, hidden.dtype, lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]) * splits,),
+            hidden, weight, targets, rows if rows is not None else targets, *parts,
+            n_rows, vocab, width, hidden.stride(0), weight.stride(0), vocab_offset, inv_temp, splits,
+            HAS_ROWS=rows is not None, UPCAST=_interpreting(), PRECISION=_dot_precision(hidden.dtype))
     return combine(RowStats(*parts))
 
 
@@ -221,9 +251,8 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     d_hidden = torch.zeros_like(hidden) if gather or n_rows == 0 else torch.empty_like(hidden)
     if n_rows == 0:
         return d_hidden, d_weight
-    cfg = _blocks("dlogits", hidden.dtype)
     token_chunk, vocab_chunk = _chunk_plan(n_rows, vocab, width, gather, hidden.element_size(), workspace_bytes,
-                                           align=max(cfg["BLOCK_M"], cfg["BLOCK_N"]))
+                                           ALIGN)
     dz = torch.empty((token_chunk, vocab_chunk), dtype=hidden.dtype, device=hidden.device)
     dh = torch.empty((token_chunk, width), dtype=torch.float32, device=hidden.device)
     for t0 in range(0, n_rows, token_chunk):
@@ -231,12 +260,13 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
         h = hidden.index_select(0, rows[t0:t0 + tc]) if gather else hidden[t0:t0 + tc]
         for v0 in range(0, vocab, vocab_chunk):
             vc = min(vocab_chunk, vocab - v0)
-            grid = (triton.cdiv(tc, cfg["BLOCK_M"]), triton.cdiv(vc, cfg["BLOCK_N"]))
-            _dlogits_kernel[grid](hidden, weight, targets, rows if gather else targets, lse, entropy, grad_logp,
-                                  grad_entropy if grad_entropy is not None else grad_logp, dz,
-                                  t0, tc, v0, vc, width, hidden.stride(0), weight.stride(0), dz.stride(0),
-                                  vocab_offset, inv_temp, HAS_ROWS=gather, HAS_GENT=grad_entropy is not None,
-                                  UPCAST=_interpreting(), PRECISION=_dot_precision(hidden.dtype), **cfg)
+            _launch(_DLOGITS, hidden.dtype,
+                    lambda meta: (triton.cdiv(tc, meta["BLOCK_M"]) * triton.cdiv(vc, meta["BLOCK_N"]),),
+                    hidden, weight, targets, rows if gather else targets, lse, entropy, grad_logp,
+                    grad_entropy if grad_entropy is not None else grad_logp, dz,
+                    t0, tc, v0, vc, width, hidden.stride(0), weight.stride(0), dz.stride(0),
+                    vocab_offset, inv_temp, HAS_ROWS=gather, HAS_GENT=grad_entropy is not None,
+                    UPCAST=_interpreting(), PRECISION=_dot_precision(hidden.dtype))
             block = dz[:tc, :vc]
             _mm_into(dh[:tc], block, weight[v0:v0 + vc], accumulate=v0 > 0)
             _mm_into(d_weight[v0:v0 + vc], block.t(), h, accumulate=t0 > 0)

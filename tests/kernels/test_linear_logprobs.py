@@ -229,3 +229,77 @@ def test_cpu_backward_over_many_chunks_equals_one_chunk():
     whole = linear_logprobs_cpu.backward(*args, 1.0, 0, chunk_bytes=2**30)
     for a, b in zip(small, whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fp32 summation order differs
+
+
+def _fp64_reference_chunked(hidden, weight, targets, mask, temperature, chunk=512):
+    out = [linear_logprobs_reference(hidden[i:i + chunk].double(), weight.double(), targets[i:i + chunk],
+                                     temperature=temperature, mask=mask[i:i + chunk], return_entropy=True)
+           for i in range(0, hidden.shape[0], chunk)]
+    return tuple(torch.cat(x) for x in zip(*out))
+
+
+@pytest.mark.gpu
+def test_gpu_accuracy_at_a_qwen3_8b_shape(cuda):
+    hidden, weight, targets, mask = make_inputs(t=2000, h=4096, v=151936, seed=11, scale=4096 ** -0.5,
+                                                device=cuda)
+    logp, entropy = fused_linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE, mask=mask,
+                                          return_entropy=True)
+    ref_logp, ref_entropy = _fp64_reference_chunked(hidden, weight, targets, mask, TEMPERATURE)
+    for actual, expected in ((logp, ref_logp), (entropy, ref_entropy)):
+        error = (actual.double() - expected).abs()
+        assert error.max() <= 1e-4 and error.mean() <= 1e-5
+    assert torch.all(logp <= 0)
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_match_fp64_reference(cuda):
+    hidden, weight, targets, mask = make_inputs(t=1000, h=1024, v=32003, seed=12, scale=1024 ** -0.5,
+                                                device=cuda)
+    g = torch.randn(2, 1000, device=cuda)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    logp, entropy = fused_linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE, mask=mask,
+                                          return_entropy=True)
+    (logp * g[0] + entropy * g[1]).sum().backward()
+    hidden64 = hidden.detach().double().requires_grad_()
+    weight64 = weight.detach().double().requires_grad_()
+    ref_logp, ref_entropy = reference(hidden64, weight64, targets, mask)
+    (ref_logp * g[0] + ref_entropy * g[1]).sum().backward()
+    assert relative_error(hidden.grad, hidden64.grad) < 1e-2
+    assert relative_error(weight.grad, weight64.grad) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_backward_workspace_stays_within_256_mib(cuda):
+    t, h, v = 16384, 2048, 65536  # the fp32 logits alone would be 4 GiB
+    hidden, weight, targets, _ = make_inputs(t=t, h=h, v=v, seed=13, scale=h ** -0.5, device=cuda)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    logp, entropy = fused_linear_logprobs(hidden, weight, targets, return_entropy=True)
+    loss = (logp + entropy).sum()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    grads = (hidden.numel() + weight.numel()) * hidden.element_size()
+    assert torch.cuda.max_memory_allocated() - before - grads <= 256 * 2**20 + 2**20
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_compiled_function_matches_eager(cuda):
+    hidden, weight, targets, mask = make_inputs(t=300, h=256, v=5000, seed=14, device=cuda)
+
+    def loss(h, w):
+        logp, entropy = fused_linear_logprobs(h, w, targets, mask=mask, return_entropy=True)
+        return (logp.square() + entropy).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    results = []
+    for fn in (loss, compiled):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        value = fn(h, w)
+        value.backward()
+        results.append((value.detach(), h.grad, w.grad))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager)

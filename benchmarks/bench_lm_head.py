@@ -1,0 +1,183 @@
+"""LM head: per-token log-prob (+ entropy) from hidden states, forward + backward with per-token upstream grads.
+
+Providers side by side in one run (issue 3, "Benchmarks"): redline ``fused_linear_logprobs``; bare cuBLAS
+``[T,H]×[H,V]`` logits + dHidden + dW GEMMs (the ceiling without a recompute; baseline of every group);
+eager PyTorch with fp32 logits (slime's method); ``torch.compile`` of that eager function; Liger-Kernel
+(Triton FLCE ``reduction="none"``, fused scaled CE with entropy); cut-cross-entropy (``reduction="none"``).
+Liger and CCE run only where they are installed (``python3 ../shared/device/stage.py anchors``).
+
+Recorded per provider: ms (median), ``flops`` = 8·T·H·V (fwd+bwd with recompute; forward groups 2·T·H·V),
+peak memory beyond the inputs (outputs and gradients included; ``grads_mib`` says how much of it they are)
+and, for providers returning log-probs, max/mean |Δlogp| and |Δentropy| against an fp64 reference on the same
+bf16 inputs.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+TEMPERATURE = 0.7
+SHAPES = [(4096, 151936, 4096), (4096, 151936, 16384), (4096, 151936, 32768), (8192, 128256, 16384),
+          (2048, 151936, 16384)]
+SHAPE_IDS = [f"H{h}-V{v}-T{t}" for h, v, t in SHAPES]
+_REFERENCE = {}
+
+
+def _inputs(h, v, t):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = (torch.randn(t, h, device="cuda", generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", generator=gen) * h ** -0.5).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, v, (t,), device="cuda", generator=gen)
+    g_logp = torch.randn(t, device="cuda", generator=gen)
+    g_entropy = torch.randn(t, device="cuda", generator=gen)
+    return hidden, weight, targets, g_logp, g_entropy
+
+
+def _fp64_reference(hidden, weight, targets, chunk=1024):
+    """fp64 (logp, entropy) of the bf16 inputs, 1024 tokens at a time (cached per shape)."""
+    key = (tuple(hidden.shape), weight.shape[0])
+    if key not in _REFERENCE:
+        w64 = weight.detach().double()
+        out = []
+        for t0 in range(0, hidden.shape[0], chunk):
+            z = (hidden[t0:t0 + chunk].detach().double() @ w64.t()) / TEMPERATURE
+            logp_all = torch.log_softmax(z, dim=1)
+            out.append((logp_all.gather(1, targets[t0:t0 + chunk, None])[:, 0],
+                        -(logp_all.exp() * logp_all).sum(1)))
+            del z, logp_all
+        _REFERENCE.clear()
+        _REFERENCE[key] = tuple(torch.cat(x) for x in zip(*out))
+    return _REFERENCE[key]
+
+
+def _record_accuracy(benchmark, logp, entropy, reference):
+    ref_logp, ref_entropy = reference
+    d = (logp.double() - ref_logp).abs()
+    benchmark.extra_info.update(max_abs_dlogp=d.max().item(), mean_abs_dlogp=d.mean().item(),
+                                max_logp=logp.max().item())
+    if entropy is not None:
+        e = (entropy.double() - ref_entropy).abs()
+        benchmark.extra_info.update(max_abs_dentropy=e.max().item(), mean_abs_dentropy=e.mean().item())
+
+
+def _eager_logprobs(hidden, weight, targets):
+    """slime's method: fp32 logits, log_softmax, gather, entropy."""
+    logits = (hidden @ weight.t()).float() / TEMPERATURE
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(1, targets[:, None])[:, 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+_compiled_logprobs = torch.compile(_eager_logprobs, dynamic=False)
+
+
+def _providers(hidden, weight, targets):
+    """name -> fn returning (logp, entropy or None) with autograd; each optional baseline only if installed."""
+    from redline.kernels import fused_linear_logprobs
+
+    providers = {
+        "redline fused_linear_logprobs": lambda: fused_linear_logprobs(
+            hidden, weight, targets, temperature=TEMPERATURE, return_entropy=True),
+        "eager PyTorch fp32 logits": lambda: _eager_logprobs(hidden, weight, targets),
+        "torch.compile eager": lambda: _compiled_logprobs(hidden, weight, targets),
+    }
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        providers["cut-cross-entropy (no entropy)"] = lambda: (
+            -linear_cross_entropy(hidden / TEMPERATURE, weight, targets, reduction="none"), None)
+    except ImportError:
+        pass
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        flce = LigerFusedLinearCrossEntropyLoss(reduction="none")
+        providers["Liger FLCE reduction=none (no entropy)"] = lambda: (
+            -flce(weight, hidden / TEMPERATURE, targets), None)
+    except ImportError:
+        pass
+    try:
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+        def liger_scaled():
+            nll, entropy = LigerFusedLinearScaledCrossEntropyFunction.apply(
+                hidden, weight, targets, TEMPERATURE, -100, 1, True)
+            return -nll, entropy
+
+        providers["Liger fused scaled CE (entropy)"] = liger_scaled
+    except ImportError:
+        pass
+    return providers
+
+
+def _clear_grads(*tensors):
+    for t in tensors:
+        t.grad = None
+
+
+def _run_fwd_bwd(fn, hidden, weight, g_logp, g_entropy):
+    _clear_grads(hidden, weight)
+    logp, entropy = fn()
+    outputs, grads = [logp], [g_logp]
+    if entropy is not None:
+        outputs.append(entropy)
+        grads.append(g_entropy.to(entropy.dtype))
+    torch.autograd.backward(outputs, grads)
+    return logp.detach(), None if entropy is None else entropy.detach()
+
+
+@pytest.mark.parametrize("h,v,t", SHAPES, ids=SHAPE_IDS)
+def test_cublas_three_gemms(gpu_bench, h, v, t):
+    hidden, weight, *_ = _inputs(h, v, t)
+    grad_logits = torch.randn(t, v, device="cuda", dtype=torch.bfloat16)
+
+    def three_gemms():
+        logits = hidden.detach() @ weight.detach().t()
+        d_hidden = grad_logits @ weight.detach()
+        d_weight = grad_logits.t() @ hidden.detach()
+        return logits, d_hidden, d_weight
+
+    gpu_bench(three_gemms, group=f"lm-head fwd+bwd H={h} V={v} T={t}", provider="bare cuBLAS 3 GEMMs",
+              baseline=True, flops=8 * t * h * v, H=h, V=v, T=t)
+
+
+@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", "eager PyTorch fp32 logits",
+                                      "torch.compile eager", "cut-cross-entropy (no entropy)",
+                                      "Liger FLCE reduction=none (no entropy)", "Liger fused scaled CE (entropy)"])
+@pytest.mark.parametrize("h,v,t", SHAPES, ids=SHAPE_IDS)
+def test_logprobs_fwd_bwd(gpu_bench, benchmark, h, v, t, provider):
+    hidden, weight, targets, g_logp, g_entropy = _inputs(h, v, t)
+    fn = _providers(hidden, weight, targets).get(provider)
+    if fn is None:
+        pytest.skip(f"{provider} is not installed here (stage it with stage.py anchors)")
+    benchmark.extra_info["grads_mib"] = (hidden.numel() + weight.numel()) * 2 / 2**20
+    try:
+        logp, entropy = gpu_bench(lambda: _run_fwd_bwd(fn, hidden, weight, g_logp, g_entropy),
+                                  group=f"lm-head fwd+bwd H={h} V={v} T={t}", provider=provider,
+                                  flops=8 * t * h * v, H=h, V=v, T=t)
+    except torch.OutOfMemoryError:
+        pytest.skip(f"{provider} ran out of GPU memory at H={h} V={v} T={t}")
+    _record_accuracy(benchmark, logp, entropy, _fp64_reference(hidden, weight, targets))
+
+
+@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", "torch.compile eager"])
+@pytest.mark.parametrize("h,v,t", SHAPES[1:2], ids=SHAPE_IDS[1:2])
+def test_logprobs_forward(gpu_bench, h, v, t, provider):
+    hidden, weight, targets, *_ = _inputs(h, v, t)
+    fn = _providers(hidden, weight, targets)[provider]
+
+    def forward():
+        with torch.no_grad():
+            return fn()
+
+    gpu_bench(forward, group=f"lm-head forward H={h} V={v} T={t}", provider=provider, flops=2 * t * h * v,
+              H=h, V=v, T=t)
+
+
+@pytest.mark.parametrize("h,v,t", SHAPES[1:2], ids=SHAPE_IDS[1:2])
+def test_cublas_logits_gemm(gpu_bench, h, v, t):
+    hidden, weight, *_ = _inputs(h, v, t)
+    gpu_bench(lambda: hidden.detach() @ weight.detach().t(), group=f"lm-head forward H={h} V={v} T={t}",
+              provider="bare cuBLAS logits GEMM", baseline=True, flops=2 * t * h * v, H=h, V=v, T=t)
