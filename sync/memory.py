@@ -1,0 +1,111 @@
+"""Pausable trainer memory: redline's native VMM allocator behind a ``torch.cuda.MemPool``.
+
+Tensors allocated inside ``with memory.region():`` (parameters, gradients, optimizer state, activations) live
+in virtual-memory allocations of ``native/vmm_allocator.cpp``. ``pause()`` releases their physical memory
+(optionally keeping the contents in pinned host memory) and ``resume()`` maps new memory at the same
+addresses, so every tensor, pointer and CUDA graph stays valid.
+
+Rules of use:
+
+* nothing may touch pool memory while paused (no kernels on pooled tensors, no allocation in the region);
+* the native allocator is one per process: ``pause``/``resume`` act on every allocation it made, whichever
+  ``PausableMemory`` made it;
+* pool memory cannot cross CUDA IPC: allocate sync staging buffers outside ``region()``.
+
+The library is built by ``pip install -e . --no-build-isolation`` when nvcc and cmake are present and copied
+next to this file; ``REDLINE_NATIVE_LIBRARY`` points elsewhere (e.g. a build directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+NATIVE_LIBRARY = "libredline_native.so"
+ALLOC_FN, FREE_FN = "redline_vmm_malloc", "redline_vmm_free"
+
+
+class NativeLibraryMissing(RuntimeError):
+    """The native library was not built for this install (no CUDA toolkit at install time)."""
+
+
+def native_library_path() -> Path:
+    """Where the native library is; NativeLibraryMissing saying how to build it when it is not."""
+    override = os.environ.get("REDLINE_NATIVE_LIBRARY")
+    path = Path(override) if override else Path(__file__).with_name(NATIVE_LIBRARY)
+    if not path.is_file():
+        source = "REDLINE_NATIVE_LIBRARY" if override else "the redline.sync package"
+        raise NativeLibraryMissing(
+            f"redline's native library {path} (from {source}) does not exist. It is built from native/*.cpp by "
+            "`pip install -e . --no-build-isolation` when nvcc and cmake are on PATH (CPU installs skip it), or "
+            "by hand: cmake -S . -B build/native && cmake --build build/native, then set "
+            "REDLINE_NATIVE_LIBRARY=build/native/libredline_native.so. Pausable trainer memory needs it.")
+    return path
+
+
+@lru_cache(maxsize=None)
+def load_native(path: str | None = None) -> ctypes.CDLL:
+    """The native library with its C signatures declared (loading needs no GPU: libcuda is looked up lazily)."""
+    lib = ctypes.CDLL(str(path or native_library_path()))
+    lib.redline_vmm_malloc.restype = ctypes.c_void_p
+    lib.redline_vmm_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.redline_vmm_free.restype = None
+    lib.redline_vmm_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.redline_vmm_pause.restype = ctypes.c_int
+    lib.redline_vmm_pause.argtypes = [ctypes.c_int]
+    lib.redline_vmm_resume.restype = ctypes.c_int
+    lib.redline_vmm_resume.argtypes = []
+    for name in ("mapped_bytes", "reserved_bytes", "host_backup_bytes", "allocation_count"):
+        getattr(lib, f"redline_vmm_{name}").restype = ctypes.c_size_t
+    lib.redline_vmm_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+class PausableMemory:
+    """A CUDA memory pool whose physical memory can be released and restored at the same addresses."""
+
+    def __init__(self, device: torch.device | int | str | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("PausableMemory needs a CUDA GPU; none is visible")
+        path = native_library_path()
+        self.lib = load_native(str(path))
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None
+                                   else torch.device(device).index or 0)
+        self.allocator = torch.cuda.memory.CUDAPluggableAllocator(str(path), ALLOC_FN, FREE_FN)
+        self.pool = torch.cuda.MemPool(self.allocator.allocator())
+        self.paused = False
+
+    @contextlib.contextmanager
+    def region(self):
+        """Allocations on this pool's device inside the block come from pausable memory."""
+        if self.paused:
+            raise RuntimeError("PausableMemory.region() while paused: resume() first")
+        with torch.cuda.device(self.device), torch.cuda.use_mem_pool(self.pool):
+            yield
+
+    def pause(self, keep_contents: bool = True) -> None:
+        """Release the physical memory of every pausable allocation (contents copied to pinned host memory
+        first when ``keep_contents``). Waits for all queued device work."""
+        torch.cuda.synchronize(self.device)
+        self._check(self.lib.redline_vmm_pause(int(keep_contents)), "pause")
+        self.paused = True
+
+    def resume(self) -> None:
+        """Map physical memory back at the same addresses and restore kept contents."""
+        self._check(self.lib.redline_vmm_resume(), "resume")
+        self.paused = False
+
+    def stats(self) -> dict[str, int]:
+        """Bytes mapped (physically backed), reserved (address space), held in pinned host memory, and the
+        number of live allocations of the native allocator (whole process)."""
+        return {name: int(getattr(self.lib, f"redline_vmm_{name}")())
+                for name in ("mapped_bytes", "reserved_bytes", "host_backup_bytes", "allocation_count")}
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"PausableMemory.{what} failed: {self.lib.redline_vmm_last_error().decode()}")
