@@ -1,0 +1,1 @@
+"""The embedded engine: generation with redline's own decoder (see engine.py)."""

@@ -1,0 +1,1 @@
+"""SGLang engines (the production rollout path); SGLang itself is imported lazily."""

@@ -1,0 +1,152 @@
+"""HTTP client for one SGLang server: generation, weight updates (both wire contracts), memory, control.
+
+Wire facts this follows (``shared/reference/sync.md`` §1): ``/generate`` with ``input_ids`` and
+``return_logprob`` answers ``meta_info.output_token_logprobs = [[logprob, token_id, text], ...]`` and
+``meta_info.finish_reason.type``; ``/update_weights_from_tensor`` takes one serialized payload per TP rank;
+servers >= 0.5.21 refuse updates outside ``/begin_weight_update`` ... ``/end_weight_update`` (older ones
+answer those routes with 404); ``/flush_cache`` answers 400 while requests are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from packaging.version import Version
+
+from redline.extras import require
+from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
+
+SESSION_API_VERSION = Version("0.5.21")
+FLUSH_RETRIES = 60  # slime and NeMo-RL retry a busy flush for about a minute
+
+
+class SGLangError(RuntimeError):
+    """An SGLang server refused a request or answered something unexpected."""
+
+
+def sampling_payload(request: GenerateRequest) -> dict:
+    """SGLang ``sampling_params`` for a request. Stop strings stay in the output (``no_stop_trim``) so the
+    token ids and their log-probs cover the whole response, as the trainer sees it."""
+    p = request.params
+    payload = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
+               "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "no_stop_trim": True,
+               "skip_special_tokens": False}
+    if p.seed is not None:
+        payload["sampling_seed"] = p.seed
+    return payload
+
+
+def parse_generate(body: dict, fallback_version: str) -> GenerateResult:
+    """A ``GenerateResult`` from one ``/generate`` answer (tokens and log-probs both from the log-prob list)."""
+    try:
+        meta = body["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        reason = meta["finish_reason"]
+    except (KeyError, TypeError) as exc:
+        raise SGLangError(f"/generate answer lacks {exc}; was return_logprob honoured? got keys "
+                          f"{sorted(body) if isinstance(body, dict) else type(body).__name__}") from exc
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    try:
+        finish = FinishReason(kind)
+    except ValueError as exc:
+        raise SGLangError(f"/generate answered an unknown finish reason {reason!r}") from exc
+    return GenerateResult(output_ids=[int(p[1]) for p in pairs], logp=[float(p[0]) for p in pairs],
+                          finish_reason=finish, weight_version=str(meta.get("weight_version") or fallback_version))
+
+
+class SGLangClient:
+    """One server at ``url`` (``http://host:port``). Methods are coroutines on the caller's event loop."""
+
+    def __init__(self, url: str, *, timeout: float = 14400.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.in_flight = 0  # generate calls running through this client, kept by the engine's router
+        self.version: Version | None = None
+        self._session = None
+
+    def _http(self):
+        aiohttp = require("aiohttp", "the SGLang engine client")
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        return self._session
+
+    async def request(self, method: str, path: str, body: dict | None = None, *, ok=(200,)):
+        """``(status, parsed JSON or text)``; raises SGLangError for a status outside ``ok``."""
+        async with self._http().request(method, self.url + path, json=body) as reply:
+            text = await reply.text()
+            if reply.status not in ok:
+                raise SGLangError(f"{method} {self.url}{path} answered HTTP {reply.status}: {text[:300]}")
+            try:
+                return reply.status, json.loads(text) if text else None
+            except ValueError:
+                return reply.status, text
+
+    async def server_version(self) -> Version:
+        """The server's SGLang version (``/server_info``, or ``/get_server_info`` on older servers)."""
+        if self.version is None:
+            for path in ("/server_info", "/get_server_info"):
+                status, info = await self.request("GET", path, ok=(200, 404))
+                if status == 200 and isinstance(info, dict) and "version" in info:
+                    self.version = Version(info["version"])
+                    break
+            else:
+                raise SGLangError(f"{self.url}: neither /server_info nor /get_server_info reports a version")
+        return self.version
+
+    async def generate(self, request: GenerateRequest, fallback_version: str) -> GenerateResult:
+        _, body = await self.request("POST", "/generate", {
+            "input_ids": request.input_ids, "sampling_params": sampling_payload(request), "return_logprob": True})
+        return parse_generate(body, fallback_version)
+
+    async def _check(self, path: str, body: dict) -> None:
+        """POST a control request whose answer is ``{"success": bool, "message": str}``."""
+        _, answer = await self.request("POST", path, body, ok=(200, 400))
+        if not (isinstance(answer, dict) and answer.get("success")):
+            raise SGLangError(f"{self.url}{path} failed: {answer}")
+
+    async def begin_weight_update(self) -> None:
+        if await self.server_version() >= SESSION_API_VERSION:
+            await self._check("/begin_weight_update", {})
+
+    async def end_weight_update(self, version: str) -> None:
+        if await self.server_version() >= SESSION_API_VERSION:
+            await self._check("/end_weight_update", {})
+        await self.flush_cache()
+        await self._check("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+
+    async def update_weights_from_tensor(self, per_rank: tuple[str, ...], load_format: str) -> None:
+        await self._check("/update_weights_from_tensor", {
+            "serialized_named_tensors": list(per_rank), "load_format": load_format, "flush_cache": False})
+
+    async def flush_cache(self) -> None:
+        for _ in range(FLUSH_RETRIES):
+            status, _ = await self.request("POST", "/flush_cache", ok=(200, 400))
+            if status == 200:
+                return
+            await asyncio.sleep(1.0)
+        raise SGLangError(f"{self.url}/flush_cache stayed busy for {FLUSH_RETRIES} s")
+
+    async def release_memory(self, tags: list[str]) -> None:
+        await self.request("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        await self.request("POST", "/resume_memory_occupation", {"tags": tags})
+
+    async def pause(self) -> None:
+        await self.request("POST", "/pause_generation", {"mode": "abort"})
+
+    async def resume(self) -> None:
+        await self.request("POST", "/continue_generation", {})
+
+    async def health(self) -> bool:
+        try:
+            status, _ = await self.request("GET", "/health", ok=(200, 503))
+        except (SGLangError, OSError, asyncio.TimeoutError):
+            return False
+        return status == 200
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

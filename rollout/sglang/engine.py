@@ -1,0 +1,124 @@
+"""SGLang as a rollout engine: one or more servers (launched here or attached by address), generation routed
+through sglang-router when one runs, else to the least-loaded server; control calls go to every server.
+
+Memory tags map onto SGLang's: "weights" → ``weights``; "kv_cache" → ``kv_cache`` and ``cuda_graph`` (the
+graphs are sized with the cache, and slime resumes them together after the weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from redline.rollout.engine import SerializedBucket, WeightBuckets, check_tags, iterate_buckets
+from redline.rollout.sglang.client import SGLangClient
+from redline.rollout.sglang.payload import serialize_bucket
+from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_server
+from redline.rollout.types import GenerateRequest, GenerateResult
+
+SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
+
+
+class SGLangEngine:
+    """Implements ``redline.rollout.engine.Engine`` over SGLang servers at ``worker_urls``.
+
+    ``router_url``: an sglang-router in front of the workers; without one each request goes to the worker with
+    the fewest requests in flight from this client. ``owned`` processes are stopped by ``shutdown``.
+    ``tp_size``: GPUs per server, the number of payloads a ``SerializedBucket`` must carry.
+    """
+
+    def __init__(self, worker_urls: list[str], *, router_url: str | None = None, tp_size: int = 1,
+                 owned: list[ManagedProcess] = (), weight_version: str = "0"):
+        if not worker_urls:
+            raise ValueError("SGLangEngine needs at least one worker url")
+        self.workers = [SGLangClient(u) for u in worker_urls]
+        self.router = SGLangClient(router_url) if router_url else None
+        self.tp_size = tp_size
+        self.owned = list(owned)
+        self.weight_version = weight_version
+
+    @classmethod
+    def launch(cls, model_path, *, num_engines: int = 1, tp_size: int = 1, sglang_args: list[str] = (),
+               use_router: bool | None = None, log_dir="logs", **server_kwargs) -> SGLangEngine:
+        """Start ``num_engines`` servers on consecutive GPU groups of ``tp_size`` GPUs, plus sglang-router when
+        there are several and it is installed (``use_router=None``) or when asked (``True``)."""
+        from redline.extras import available
+
+        servers: list[ManagedProcess] = []
+        try:
+            for i in range(num_engines):
+                servers.append(launch_server(model_path, base_gpu_id=i * tp_size, tp_size=tp_size,
+                                             extra_args=list(sglang_args), log_dir=log_dir, **server_kwargs))
+            urls = [s.url for s in servers]
+            if use_router is None:
+                use_router = num_engines > 1 and available("sglang_router")
+            router = launch_router(urls, log_dir=log_dir) if use_router else None
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+        owned = servers + ([router] if router else [])
+        return cls(urls, router_url=router.url if router else None, tp_size=tp_size, owned=owned)
+
+    async def _generate_one(self, request: GenerateRequest) -> GenerateResult:
+        # Picked and counted before the first await, so concurrent calls see each other's load.
+        client = self.router or min(self.workers, key=lambda w: w.in_flight)
+        client.in_flight += 1
+        try:
+            return await client.generate(request, self.weight_version)
+        finally:
+            client.in_flight -= 1
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """One ``/generate`` call per request, all concurrent (the servers batch them)."""
+        return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
+
+    async def _all(self, method: str, *args) -> None:
+        await asyncio.gather(*(getattr(w, method)(*args) for w in self.workers))
+
+    async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
+        """Send every bucket to every server (opening/closing an update session on >= 0.5.21), then flush
+        caches and publish ``version``. Named-tensor buckets are serialized here (CUDA IPC, same host)."""
+        await self._all("begin_weight_update")
+        async for bucket in iterate_buckets(buckets):
+            if not isinstance(bucket, SerializedBucket):
+                bucket = serialize_bucket(list(bucket), self.tp_size)
+            if len(bucket.per_rank) != self.tp_size:
+                raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
+                                 f"tp_size={self.tp_size}")
+            await self._all("update_weights_from_tensor", bucket.per_rank, bucket.load_format)
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
+        await self._all("end_weight_update", str(version))
+        self.weight_version = str(version)
+
+    async def release_memory(self, tags) -> None:
+        await self._all("release_memory", [t for tag in sorted(check_tags(tags)) for t in SGLANG_TAGS[tag]])
+
+    async def resume_memory(self, tags) -> None:
+        # weights before the cache: the two-stage resume around a sync calls this twice, but one call with both
+        # tags must keep the order too.
+        for tag in ("weights", "kv_cache"):
+            if tag in check_tags(tags):
+                await self._all("resume_memory", SGLANG_TAGS[tag])
+
+    async def flush_cache(self) -> None:
+        await self._all("flush_cache")
+
+    async def pause(self) -> None:
+        await self._all("pause")
+
+    async def resume(self) -> None:
+        await self._all("resume")
+
+    async def health(self) -> bool:
+        checks = await asyncio.gather(*(w.health() for w in self.workers))
+        return all(checks)
+
+    async def shutdown(self) -> None:
+        for client in self.workers + ([self.router] if self.router else []):
+            await client.close()
+        for process in reversed(self.owned):
+            await asyncio.to_thread(process.stop)
+        self.owned.clear()

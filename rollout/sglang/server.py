@@ -1,0 +1,124 @@
+"""Launching SGLang servers (one per GPU group) and the sglang-router in front of several.
+
+Extra server options pass through slime-style: ``--sglang-mem-fraction-static 0.7`` becomes the server's
+``--mem-fraction-static 0.7`` (plain ``--mem-fraction-static`` is accepted too). The options redline sets
+itself (model path, host, port, TP size, GPU, memory saver) may not be passed through.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redline.extras import require
+
+OWNED_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--enable-memory-saver"}
+
+
+def passthrough_args(args: list[str]) -> list[str]:
+    """``--sglang-x`` → ``--x``; rejects the flags redline owns (it sets them from its own config)."""
+    out = []
+    for arg in args:
+        if arg.startswith("--sglang-"):
+            arg = "--" + arg[len("--sglang-"):]
+        if arg.split("=", 1)[0] in OWNED_FLAGS:
+            raise ValueError(f"sglang argument '{arg}' is set by redline itself; remove it from sglang_args")
+        out.append(arg)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, process: subprocess.Popen | None, timeout: float, log: Path | None) -> None:
+    """Poll ``url/health`` until 200; raise with the log's tail if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"server for {url} exited with code {process.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s (log: {log})")
+
+
+@dataclass
+class ManagedProcess:
+    """A server process redline started; ``stop`` ends its whole process group (workers included)."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
+    extra: dict = field(default_factory=dict)
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def _spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+
+
+def launch_server(model_path: str | Path, *, base_gpu_id: int = 0, tp_size: int = 1, port: int | None = None,
+                  enable_memory_saver: bool = True, extra_args: list[str] = (), log_dir: str | Path = "logs",
+                  timeout: float = 600.0) -> ManagedProcess:
+    """Start ``python -m sglang.launch_server`` on GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1`` and wait
+    until it is healthy. Memory saver on by default: colocated training needs release/resume."""
+    require("sglang", "launching SGLang servers")
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", "127.0.0.1",
+           "--port", str(port), "--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id)]
+    if enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    cmd += passthrough_args(list(extra_args))
+    log = Path(log_dir) / f"sglang-{port}.log"
+    server = ManagedProcess(f"http://127.0.0.1:{port}", _spawn(cmd, log), log)
+    try:
+        wait_until_healthy(server.url, server.process, timeout, log)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def launch_router(worker_urls: list[str], *, port: int | None = None, log_dir: str | Path = "logs",
+                  extra_args: list[str] = (), timeout: float = 120.0) -> ManagedProcess:
+    """Start sglang-router in front of ``worker_urls`` and wait until it answers."""
+    require("sglang_router", "routing across SGLang servers")
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", *worker_urls, *extra_args]
+    log = Path(log_dir) / f"sglang-router-{port}.log"
+    router = ManagedProcess(f"http://127.0.0.1:{port}", _spawn(cmd, log), log)
+    try:
+        wait_until_healthy(router.url, router.process, timeout, log)
+    except BaseException:
+        router.stop()
+        raise
+    return router

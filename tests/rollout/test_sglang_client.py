@@ -1,0 +1,127 @@
+"""The SGLang engine's wire protocol against a stand-in server: generation, both weight-update contracts,
+two-stage memory tags, routing, pass-through arguments."""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
+
+from redline.rollout import sglang as _sglang_pkg  # noqa: E402,F401 - the package imports without SGLang
+from redline.rollout.engine import SerializedBucket  # noqa: E402
+from redline.rollout.sglang import client as client_module  # noqa: E402
+from redline.rollout.sglang.engine import SGLangEngine  # noqa: E402
+from redline.rollout.sglang.server import passthrough_args  # noqa: E402
+from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams  # noqa: E402
+
+from .fake_sglang import FakeSGLang  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fast_flush_retry(monkeypatch):
+    async def no_wait(_):
+        return None
+    monkeypatch.setattr(client_module.asyncio, "sleep", no_wait)
+
+
+def run(engine, coro_fn):
+    async def main():
+        try:
+            return await coro_fn(engine)
+        finally:
+            await engine.shutdown()
+    return asyncio.run(main())
+
+
+def test_generate_sends_ids_and_parses_logprobs():
+    with FakeSGLang() as server:
+        engine = SGLangEngine([server.url])
+        params = SamplingParams(temperature=0.5, max_new_tokens=2, stop=["\n"], seed=3)
+        [res] = run(engine, lambda e: e.generate([GenerateRequest([1, 2, 3], params)]))
+    assert res.output_ids == [3, 2] and res.logp == [-0.5, -0.5]
+    assert res.finish_reason == FinishReason.LENGTH and res.weight_version == "default"
+    [(_, body)] = [c for c in server.calls if c[0] == "/generate"]
+    assert body["input_ids"] == [1, 2, 3] and body["return_logprob"] is True
+    sp = body["sampling_params"]
+    assert (sp["temperature"], sp["max_new_tokens"], sp["stop"], sp["sampling_seed"], sp["no_stop_trim"]) == \
+        (0.5, 2, ["\n"], 3, True)
+
+
+def bucket():
+    return SerializedBucket(per_rank=("payload",))
+
+
+@pytest.mark.parametrize("version,session", [("0.5.17", False), ("0.5.23", True)])
+def test_update_weights_follows_the_servers_contract(version, session):
+    with FakeSGLang(version=version) as server:
+        engine = SGLangEngine([server.url])
+
+        async def update_then_generate(e):
+            await e.update_weights([bucket(), bucket()], version="7")
+            return await e.generate([GenerateRequest([1], SamplingParams(max_new_tokens=1))])
+        [res] = run(engine, update_then_generate)
+    updates = ["/update_weights_from_tensor"] * 2
+    tail = ["/flush_cache", "/flush_cache", "/update_weight_version"]  # the first flush is refused as busy
+    expected = (["/begin_weight_update"] + updates + ["/end_weight_update"] if session else updates) + tail
+    assert server.paths()[:len(expected)] == expected
+    assert res.weight_version == "7"
+    sent = [b for p, b in server.calls if p == "/update_weights_from_tensor"][0]
+    assert sent["serialized_named_tensors"] == ["payload"] and sent["load_format"] == "flattened_bucket"
+
+
+def test_refused_update_raises_with_the_servers_message():
+    with FakeSGLang(version="0.5.23") as server:
+        engine = SGLangEngine([server.url])
+        with pytest.raises(client_module.SGLangError, match="must run between begin_weight_update"):
+            run(engine, lambda e: e.workers[0].update_weights_from_tensor(("p",), "flattened_bucket"))
+
+
+def test_bucket_must_carry_one_payload_per_tp_rank():
+    with FakeSGLang() as server:
+        engine = SGLangEngine([server.url], tp_size=2)
+        with pytest.raises(ValueError, match="carries 1 payloads; the servers have tp_size=2"):
+            run(engine, lambda e: e.update_weights([bucket()], version="1"))
+
+
+def test_memory_tags_map_and_resume_in_two_stages():
+    with FakeSGLang() as server:
+        async def cycle(e):
+            await e.release_memory({"weights", "kv_cache"})
+            await e.resume_memory({"kv_cache", "weights"})
+        run(SGLangEngine([server.url]), cycle)
+    calls = [(p, b["tags"]) for p, b in server.calls if "memory" in p]
+    assert calls == [("/release_memory_occupation", ["kv_cache", "cuda_graph", "weights"]),
+                     ("/resume_memory_occupation", ["weights"]),
+                     ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
+
+
+def test_without_router_requests_go_to_least_loaded_server():
+    with FakeSGLang(delay=0.2) as a, FakeSGLang(delay=0.2) as b:
+        engine = SGLangEngine([a.url, b.url])
+        run(engine, lambda e: e.generate([GenerateRequest([i + 1], SamplingParams(max_new_tokens=1))
+                                          for i in range(4)]))
+    assert len(a.paths()) == len(b.paths()) == 2
+
+
+def test_control_calls_reach_every_server():
+    with FakeSGLang() as a, FakeSGLang() as b:
+        async def pause_resume(e):
+            await e.pause()
+            await e.resume()
+        run(SGLangEngine([a.url, b.url]), pause_resume)
+    for server in (a, b):
+        assert server.paths() == ["/pause_generation", "/continue_generation"]
+        assert server.calls[0][1] == {"mode": "abort"}
+
+
+def test_health_false_when_server_unreachable():
+    with FakeSGLang() as server:
+        url = server.url
+    assert run(SGLangEngine([url]), lambda e: e.health()) is False
+
+
+def test_passthrough_strips_prefix_and_rejects_owned_flags():
+    assert passthrough_args(["--sglang-mem-fraction-static", "0.5", "--disable-cuda-graph"]) == \
+        ["--mem-fraction-static", "0.5", "--disable-cuda-graph"]
+    with pytest.raises(ValueError, match="'--port' is set by redline"):
+        passthrough_args(["--sglang-port", "30000"])
