@@ -2,7 +2,9 @@
 
 ``TargetLoader`` applies buckets to a ``{hf_name: tensor}`` target by copying (the embedded engine's process
 uses it with its parameters; the tests use it with shared-memory tensors). ``receive_forever`` is the body of a
-receiver process: it serves sync sessions on a connection until the trainer closes it.
+receiver process: it serves sync sessions on a connection until the trainer closes it; ``target_process`` is
+a whole receiver process owning its own ``{hf_name: tensor}`` weights (tests and benchmarks use it as the
+engine stand-in; the embedded engine process serves its real parameters with ``receive_forever``).
 """
 
 from __future__ import annotations
@@ -70,3 +72,14 @@ def receive_forever(conn, transport: Transport, load: Callable[[NamedViews], Non
         serve(conn, transport, load)
     finally:
         conn.close()
+
+
+def target_process(conn, specs, transport: str = "cuda-ipc", share_targets: bool = False) -> None:
+    """Process entry: allocate zero weights for ``specs`` (``[(name, shape, dtype)]``) on the transport's device
+    and serve syncs into them. With ``share_targets`` the weights are first sent over ``conn`` as a dict (CUDA
+    IPC / shared memory handles) so the trainer process can read them or copy into them directly."""
+    transport_impl = make_transport(transport)
+    targets = {name: torch.zeros(shape, dtype=dtype, device=transport_impl.device) for name, shape, dtype in specs}
+    if share_targets:
+        conn.send(targets)
+    receive_forever(conn, transport_impl, TargetLoader(targets))

@@ -4,12 +4,12 @@ import multiprocessing as mp
 
 import pytest
 import torch
-import gpu_procs
 from sync_export import layer_bytes, qwen3_export
 
 from redline.sync.memory import PausableMemory
 from redline.sync.plan import plan_for
 from redline.sync.protocol import WeightSender
+from redline.sync.receiver import target_process
 from redline.sync.transport import CudaIpcTransport
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ def engine_process():
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     specs = [(n, tuple(t.shape), t.dtype) for n, t in qwen3_export(num_layers=4)]
-    proc = ctx.Process(target=gpu_procs.ipc_target_receiver, args=(child, specs), daemon=True)
+    proc = ctx.Process(target=target_process, args=(child, specs, "cuda-ipc", True), daemon=True)
     proc.start()
     child.close()
     assert parent.poll(TIMEOUT_S), "the engine process did not start"

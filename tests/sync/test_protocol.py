@@ -173,3 +173,16 @@ def test_non_strict_target_loader_skips_and_counts_unknown_names():
     loader = TargetLoader(targets, strict=False)
     loader([("a", torch.ones(2)), ("b", torch.ones(2))])
     assert torch.equal(targets["a"], torch.ones(2)) and loader.skipped == {"b"} and loader.loaded == {"a"}
+
+
+def test_target_process_owns_its_weights_and_shares_them_with_the_trainer():
+    from redline.sync.receiver import target_process
+
+    export = qwen3_export(num_layers=2)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in export]
+    proc, conn = start(target_process, specs, "shm", True)
+    weights = conn.recv()
+    sender_for(conn, proc, plan).sync(export)
+    assert_targets_equal(weights, export)
+    stop(WeightSender(conn, SharedMemoryTransport(), plan), proc)
