@@ -1,0 +1,120 @@
+"""TP=2 (with and without SP) and PP=2 over gloo on CPU give TP=1's loss and gradients.
+
+Each test spawns two processes; every rank also builds the unsharded model from the same seed and computes
+the single-process reference itself.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from redline.trainer.models import from_config
+from redline.trainer.parallel import ParallelConfig, clip_grad_norm, finalize_grads, one_f_one_b
+from redline.trainer.parallel.pipeline import stage_layers
+
+LENGTHS = (5, 9, 2)  # 16 tokens: divisible by tp for sequence parallelism
+
+
+def run_on_two_ranks(worker, tmp_path, *args):
+    mp.spawn(_bootstrap, args=(worker, str(tmp_path / "store"), args), nprocs=2, join=True)
+
+
+def _bootstrap(rank, worker, store, args):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        worker(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def batch(config, lengths=LENGTHS, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=generator)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return input_ids, cu_seqlens
+
+
+def next_token_loss(logits, input_ids):
+    return F.cross_entropy(logits, input_ids.roll(-1))
+
+
+def full_grad(param):
+    shard = getattr(param, "tp_shard", None)
+    return shard.gather(param.grad) if shard is not None else param.grad
+
+
+def tp_worker(rank, config, sequence_parallel):
+    reference = from_config(config, dtype=torch.float32, seed=0)
+    model = from_config(config, dtype=torch.float32, seed=0, parallel=ParallelConfig(tp=2, sp=sequence_parallel))
+    input_ids, cu_seqlens = batch(config)
+    expected = next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids)
+    expected.backward()
+    loss = next_token_loss(model.logits(input_ids, cu_seqlens), input_ids)
+    loss.backward()
+    finalize_grads(model, model.parallel_state)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_grad(param), reference_params[name].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    exported = dict(model.export_hf())
+    for name, tensor in reference.export_hf():
+        assert torch.equal(exported[name], tensor), name
+    norm = clip_grad_norm(model, model.parallel_state, max_norm=1e9)
+    expected_norm = torch.stack([p.grad.norm() for p in reference.parameters()]).norm()
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3-tied"])
+def test_tensor_parallel_matches_single_process(config_of, family, tmp_path):
+    run_on_two_ranks(tp_worker, tmp_path, config_of(family), False)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_single_process(config_of, tmp_path):
+    run_on_two_ranks(tp_worker, tmp_path, config_of("qwen3"), True)
+
+
+def pp_worker(rank, config, micro_lengths):
+    reference = from_config(config, dtype=torch.float32, seed=0)
+    stage = from_config(config, dtype=torch.float32, seed=0, parallel=ParallelConfig(pp=2))
+    micro_batches = [batch(config, lengths, seed=i) for i, lengths in enumerate(micro_lengths)]
+    scale = 1.0 / len(micro_batches)
+    expected = []
+    for input_ids, cu_seqlens in micro_batches:
+        loss = next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids) * scale
+        loss.backward()
+        expected.append(loss.detach())
+
+    def loss_fn(hidden, micro_batch):
+        return next_token_loss(hidden @ stage.lm_head_weight().t(), micro_batch[0]) * scale
+
+    state = stage.parallel_state
+    losses = one_f_one_b(stage, micro_batches, loss_fn, state, config.hidden_size, torch.float32)
+    finalize_grads(stage, state)
+    if state.pp_rank == 1:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    else:
+        assert losses == []
+    assert sorted(stage.layers, key=int) == [str(i) for i in stage_layers(config.num_hidden_layers, 2, rank)]
+    reference_params = dict(reference.named_parameters())
+    for name, param in stage.named_parameters():
+        # the last stage's tied LM-head copy carries the embedding's gradient
+        source = "embed_tokens.weight" if name == "lm_head.weight" and config.tie_word_embeddings else name
+        torch.testing.assert_close(param.grad, reference_params[source].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    norm = clip_grad_norm(stage, state, max_norm=1e9)
+    expected_norm = torch.stack([p.grad.norm() for p in reference.parameters()]).norm()
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "qwen3-tied"])
+def test_pipeline_1f1b_matches_single_process(config_of, family, tmp_path):
+    # micro-batches of different token counts, as RL packing produces
+    run_on_two_ranks(pp_worker, tmp_path, config_of(family), [(5, 3), (7,), (2, 2, 4), (6,)])

@@ -1,0 +1,66 @@
+"""``ParallelConfig(tp, pp, dp, sp)`` and the process groups it builds (``torch.distributed`` device mesh)."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism; ``sp`` turns on sequence
+    parallelism inside the TP group. ``tp * pp * dp`` must equal the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sp: bool = False
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sp and self.tp == 1:
+            raise ValueError("ParallelConfig.sp=True needs tp > 1 (sequence parallelism splits over the TP group)")
+
+    def build(self, device_type: str | None = None) -> "ParallelState":
+        """Create the TP/PP/DP groups (ranks ordered tp fastest, then dp, then pp, as Megatron)."""
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelConfig.build needs torch.distributed initialised (run under torchrun)")
+        world = dist.get_world_size()
+        if self.tp * self.pp * self.dp != world:
+            raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} != world size {world}")
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        return ParallelState(self, mesh)
+
+
+class ParallelState:
+    """This rank's groups and coordinates; what ``parallelize`` and the schedules consume."""
+
+    def __init__(self, config: ParallelConfig, mesh):
+        self.config = config
+        self.mesh = mesh
+        self.tp_group = mesh.get_group("tp")
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp")
+        self.tp_rank = mesh.get_local_rank("tp")
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.dp_rank = mesh.get_local_rank("dp")
+
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def sp(self) -> bool:
+        return self.config.sp
+
+    def pp_peer(self, offset: int) -> int:
+        """Global rank of the pipeline stage ``offset`` away from this one (same tp/dp coordinates)."""
+        return dist.get_global_rank(self.pp_group, self.pp_rank + offset)

@@ -1,0 +1,64 @@
+"""Gradient finalisation, clipping and the ZeRO-1 optimizer for a parallelised model."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from redline.trainer.parallel.config import ParallelState
+
+
+def finalize_grads(model: nn.Module, state: ParallelState) -> None:
+    """After the last backward of a step: sum partial TP gradients, average over DP, sum the tied
+    embedding/LM-head pair across the first and last pipeline stages."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if state.tp > 1:
+        for p in params:
+            if getattr(p, "tp_partial_grad", False):
+                dist.all_reduce(p.grad, group=state.tp_group)
+    if state.config.dp > 1:
+        for p in params:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.dp_group)
+    if state.pp > 1 and model.spec.tie_word_embeddings:
+        # The first stage holds the embedding, the last its LM-head copy; middle stages add zeros so that the
+        # collective is the same call on every stage.
+        holder = model.embed_tokens if state.pp_rank == 0 else model.lm_head
+        if holder is not None:
+            dist.all_reduce(holder.weight.grad, group=state.pp_group)
+        else:
+            reference = next(model.parameters())
+            zeros = torch.zeros(model.spec.vocab_size // state.tp, model.spec.hidden_size, dtype=reference.dtype,
+                                device=reference.device)
+            dist.all_reduce(zeros, group=state.pp_group)
+
+
+def grad_norm(model: nn.Module, state: ParallelState) -> torch.Tensor:
+    """Global L2 norm of the gradients: shards summed over TP, stages over PP, replicated tensors counted once
+    (and the tied LM-head copy not at all)."""
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in model.parameters():
+        if p.grad is None or getattr(p, "tied_copy", False):
+            continue
+        square = p.grad.float().square().sum()
+        total += square if hasattr(p, "tp_shard") else square / state.tp
+    for group, size in ((state.tp_group, state.tp), (state.pp_group, state.pp)):
+        if size > 1:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_grad_norm(model: nn.Module, state: ParallelState, max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
+    norm = grad_norm(model, state)
+    torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm)
+    return norm
+
+
+def zero1_adamw(model: nn.Module, state: ParallelState, **adamw_options) -> torch.optim.Optimizer:
+    """AdamW whose states are sharded over the DP group (ZeRO-1), via ``ZeroRedundancyOptimizer``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if state.config.dp == 1:
+        return torch.optim.AdamW(params, **adamw_options)
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=state.dp_group,
+                                   **adamw_options)

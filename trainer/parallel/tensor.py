@@ -1,0 +1,155 @@
+"""Tensor (and sequence) parallelism applied to a built ``DecoderModel`` from outside.
+
+Each module keeps its parameters (now sharded in place) and its names; only its forward changes, by turning it
+into the parallel subclass of its own class (``_become``). Layout (Megatron's):
+
+* QKV and gate/up (``NormLinear``): column parallel; each fused part (q, k, v / gate, up) is sharded separately,
+  so every rank holds whole heads and matching gate/up rows. With SP the norm runs on the local tokens and the
+  normalised tokens are all-gathered before the GEMM.
+* o_proj and down: row parallel; output all-reduced, or reduce-scattered over tokens with SP; bias after.
+* Embedding and LM head: vocab parallel (the LM head is the embedding when tied, so both shard the same way).
+* Replicated parameters that see only part of the data get partial gradients (``tp_partial_grad``):
+  per-head q/k norms always, and with SP the norms and the row-parallel biases. ``finalize_grads`` sums them.
+
+Parameter shards carry ``tp_shard`` (a ``ShardInfo``) so export and gradient checks can rebuild full tensors.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from redline.trainer.layers.torch_layers import Linear, NormLinear, RMSNorm
+from redline.trainer.parallel.comm import (copy_to_tp, gather_replicated, gather_tokens, reduce_from_tp,
+                                           reduce_scatter_tokens)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A parameter sharded over ``group`` along ``dim``; ``parts`` (fused outputs) are sharded one by one."""
+
+    dim: int
+    group: object
+    parts: tuple[int, ...] | None = None
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(pieces, shard.contiguous(), group=self.group)
+        if self.parts is None:
+            return torch.cat(pieces, dim=self.dim)
+        local = [p // len(pieces) for p in self.parts]
+        split = [piece.split(local, dim=self.dim) for piece in pieces]
+        return torch.cat([torch.cat([s[i] for s in split], dim=self.dim) for i in range(len(local))], dim=self.dim)
+
+
+def _shard(param: nn.Parameter, dim: int, group, parts=None) -> nn.Parameter:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = param.detach().split(list(parts), dim=dim) if parts else (param.detach(),)
+    for chunk in chunks:
+        if chunk.shape[dim] % size:
+            raise ValueError(f"cannot shard a dim of {chunk.shape[dim]} over tp={size}")
+    local = torch.cat([c.chunk(size, dim=dim)[rank] for c in chunks], dim=dim).clone()
+    sharded = nn.Parameter(local, requires_grad=param.requires_grad)
+    sharded.tp_shard = ShardInfo(dim, group, tuple(parts) if parts else None)
+    return sharded
+
+
+def _become(module: nn.Module, cls: type, **attributes) -> None:
+    """Give ``module`` the forward of ``cls`` (a subclass of its class), keeping its parameters and names."""
+    if not issubclass(cls, type(module)):
+        raise TypeError(f"{cls.__name__} does not extend {type(module).__name__}")
+    module.__class__ = cls
+    for name, value in attributes.items():
+        setattr(module, name, value)
+
+
+def _mark_partial(param: nn.Parameter | None) -> None:
+    if param is not None:
+        param.tp_partial_grad = True
+
+
+class ColumnParallelNormLinear(NormLinear):
+    def forward(self, x):
+        x = self.normalize(x)
+        x = gather_tokens(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+        return self.project(x)
+
+
+class RowParallelLinear(Linear):
+    def forward(self, x):
+        y = self.project(x, with_bias=False)
+        y = reduce_scatter_tokens(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows ``[vocab_start, vocab_start + V/tp)``; other ids contribute zeros, summed over the group."""
+
+    def forward(self, input_ids):
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_tokens(out, self.tp_group) if self.sequence_parallel else reduce_from_tp(
+            out, self.tp_group)
+
+
+class GatheringRMSNorm(RMSNorm):
+    """Final norm under SP: normalise the local tokens, hand every rank the full ``[T, H]``, which then has
+    the same contract as without SP (replicated; consumers such as ``vocab_parallel_logits`` complete the
+    gradient with ``copy_to_tp``)."""
+
+    def forward(self, x):
+        return gather_replicated(super().forward(x), self.tp_group, 0)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight_shard: torch.Tensor, group) -> torch.Tensor:
+    """Full ``[T, V]`` logits from replicated ``hidden [T, H]`` and this rank's ``[V/tp, H]`` rows."""
+    return gather_replicated(copy_to_tp(hidden, group) @ weight_shard.t(), group, -1)
+
+
+class TensorParallelLogits:
+    """Mixed into the model class: ``logits()`` gathers the vocab shards (tests/debugging only)."""
+
+    def logits(self, input_ids, cu_seqlens):
+        return vocab_parallel_logits(self.forward(input_ids, cu_seqlens), self.lm_head_weight(), self.tp_group)
+
+
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a ``DecoderModel`` of the ``bf16``/``native`` backends) over ``group`` in place."""
+    tp = dist.get_world_size(group)
+    spec = model.spec
+    if spec.num_kv_heads % tp or spec.vocab_size % tp:
+        raise ValueError(f"tp={tp} must divide num_key_value_heads={spec.num_kv_heads} and "
+                         f"vocab_size={spec.vocab_size}")
+    common = dict(tp_group=group, sequence_parallel=sequence_parallel)
+    for layer in model.layers.values():
+        for column in (layer.self_attn.qkv, layer.mlp.gate_up):
+            if type(column) is not NormLinear:
+                raise TypeError(f"tensor parallelism supports the bf16/native layers, got {type(column).__name__}")
+            column.weight = _shard(column.weight, 0, group, column.out_parts)
+            if column.bias is not None:
+                column.bias = _shard(column.bias, 0, group, column.out_parts)
+            _become(column, ColumnParallelNormLinear, out_parts=tuple(p // tp for p in column.out_parts), **common)
+            if sequence_parallel:
+                _mark_partial(column.norm_weight)
+        for row in (layer.self_attn.o_proj, layer.mlp.down):
+            row.weight = _shard(row.weight, 1, group)
+            _become(row, RowParallelLinear, **common)
+            if sequence_parallel:
+                _mark_partial(row.bias)
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            if norm is not None:
+                _mark_partial(norm.weight)
+    if model.embed_tokens is not None:
+        model.embed_tokens.weight = _shard(model.embed_tokens.weight, 0, group)
+        _become(model.embed_tokens, VocabParallelEmbedding,
+                vocab_start=dist.get_rank(group) * spec.vocab_size // tp, **common)
+    if model.lm_head is not None:
+        model.lm_head.weight = _shard(model.lm_head.weight, 0, group)
+    if model.norm is not None and sequence_parallel:
+        _become(model.norm, GatheringRMSNorm, tp_group=group)
+        _mark_partial(model.norm.weight)
+    _become(model, type(f"TensorParallel{type(model).__name__}", (TensorParallelLogits, type(model)), {}),
+            tp_group=group)
