@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from redline.sync.checksum import bucket_checksum
 from redline.sync.plan import BucketLayout, WeightPlan, bucketize
-from redline.sync.protocol import ChecksumMismatch, NamedViews, SyncReport, expand_aliases
+from redline.sync.protocol import ChecksumMismatch, NamedViews, SyncReport
 
 DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
 
@@ -128,7 +128,7 @@ class BroadcastReceiver:
         for layout in self.plan.buckets:
             buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
             dist.broadcast(buffer, group_src=0, group=self.group)
-            load(expand_aliases(layout.views(buffer), self.plan.aliases))
+            load(layout.views(buffer))
             if self.verify:
                 sums.append(bucket_checksum(buffer, layout.nbytes))
         if self.verify:

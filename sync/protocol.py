@@ -3,7 +3,7 @@
 One sync is a session::
 
     sender                                   receiver
-    begin {slots, ready fences, aliases} --> open every slot and fence once
+    begin {slots, ready fences}          --> open every slot and fence once
                                          <-- opened {done fences}
     per bucket k (slot s = k mod N):
       wait ack of bucket k-N (host), done[s].wait() (device): the receiver has finished reading slot s
@@ -164,7 +164,7 @@ class WeightSender:
         self._last_index = -1
         self._ended = False
         self._send("begin", slots=[self.transport.export(s) for s in slots], ready=[f.handle() for f in ready],
-                   aliases=dict(self.plan.aliases), reuse=reuse)
+                   reuse=reuse)
         opened = self._expect("opened", "opening the staging buffers")
         return [self.transport.open_fence(h) for h in opened["done"]]
 
@@ -220,17 +220,12 @@ class WeightSender:
             torch.cuda.ipc_collect()
 
 
-def expand_aliases(views: NamedViews, aliases: dict[str, str]) -> NamedViews:
-    """``views`` plus ``(alias, view of its source)`` for every alias whose source is among them."""
-    by_name = dict(views)
-    return views + [(alias, by_name[source]) for alias, source in aliases.items() if source in by_name]
-
-
 def serve(conn, transport: Transport, load: Callable[[NamedViews], None]) -> None:
     """Receiver side: serve sync sessions on ``conn`` until the sender closes it.
 
-    ``load(views)`` gets each bucket as ``[(hf_name, view)]`` (aliases included, see ``expand_aliases``); the
-    views alias the shared slot and are valid only during the call: ``load`` must copy out of them (queued
+    ``load(views)`` gets each bucket as ``[(hf_name, view)]``. Names the plan dropped as aliases (a tied
+    lm_head) are not sent: the receiving model derives them (see ``TargetLoader``'s ``aliases``). The views
+    alias the shared slot and are valid only during the call: ``load`` must copy out of them (queued
     device copies are fine; the protocol orders them before the slot is reused). An exception from ``load`` is
     reported to the sender with its traceback and ends the session; the receiver keeps serving.
     """
@@ -267,7 +262,7 @@ def _serve_session(conn, transport: Transport, load, session: int, begin: dict) 
         try:
             slot = slots[payload["slot"]]
             ready[payload["fence"]].wait()
-            load(expand_aliases(layout.views(slot), begin["aliases"]))
+            load(layout.views(slot))
             sums.append(bucket_checksum(slot, layout.nbytes))
             if done:
                 done[payload["slot"]].record()

@@ -24,12 +24,19 @@ class TargetLoader:
     the sender wait for them before it reuses the slot. ``strict``: a name the target lacks raises KeyError
     (naming it); otherwise such names are skipped and counted in ``skipped``. Shape or dtype disagreement
     always raises ValueError naming the tensor. ``loaded`` collects the names written since the last
-    ``reset``.
+    ``reset``. ``aliases`` (``{name: source}``) are target tensors that mirror another one, e.g. a separate
+    ``lm_head.weight`` of a model with tied embeddings, which the plan does not send: they are copied from
+    their source whenever it arrives (nothing is done when both names share storage).
     """
 
-    def __init__(self, targets: Mapping[str, torch.Tensor], *, strict: bool = True):
+    def __init__(self, targets: Mapping[str, torch.Tensor], *, strict: bool = True,
+                 aliases: Mapping[str, str] | None = None):
         self.targets = targets
         self.strict = strict
+        self.mirrors: dict[str, list[str]] = {}
+        for alias, source in (aliases or {}).items():
+            if alias in targets and source in targets and not _same_storage(targets[alias], targets[source]):
+                self.mirrors.setdefault(source, []).append(alias)
         self.loaded: set[str] = set()
         self.skipped: set[str] = set()
 
@@ -53,8 +60,16 @@ class TargetLoader:
             dsts.append(target)
             srcs.append(view)
             self.loaded.add(name)
+            for alias in self.mirrors.get(name, ()):
+                dsts.append(self.targets[alias])
+                srcs.append(view)
+                self.loaded.add(alias)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def make_transport(kind: str, device: torch.device | int | str | None = None) -> Transport:
@@ -74,7 +89,8 @@ def receive_forever(conn, transport: Transport, load: Callable[[NamedViews], Non
         conn.close()
 
 
-def target_process(conn, specs, transport: str = "cuda-ipc", share_targets: bool = False) -> None:
+def target_process(conn, specs, transport: str = "cuda-ipc", share_targets: bool = False,
+                   aliases: Mapping[str, str] | None = None) -> None:
     """Process entry: allocate zero weights for ``specs`` (``[(name, shape, dtype)]``) on the transport's device
     and serve syncs into them. With ``share_targets`` the weights are first sent over ``conn`` as a dict (CUDA
     IPC / shared memory handles) so the trainer process can read them or copy into them directly."""
@@ -82,4 +98,4 @@ def target_process(conn, specs, transport: str = "cuda-ipc", share_targets: bool
     targets = {name: torch.zeros(shape, dtype=dtype, device=transport_impl.device) for name, shape, dtype in specs}
     if share_targets:
         conn.send(targets)
-    receive_forever(conn, transport_impl, TargetLoader(targets))
+    receive_forever(conn, transport_impl, TargetLoader(targets, aliases=aliases))

@@ -20,7 +20,7 @@ def run_rank(rank, world_size, port, syncs, targets, corrupt_rank, results):
             if rank == 0:
                 BroadcastSender(group, plan, torch.device("cpu")).sync(qwen3_export(num_layers=3, seed=step))
             else:
-                loader = TargetLoader(targets)
+                loader = TargetLoader(targets, aliases=plan.aliases)
 
                 def load(views):
                     loader(views)

@@ -8,8 +8,8 @@ import torch
 from redline.sync.receiver import TargetLoader, make_transport, receive_forever
 
 
-def copy_receiver(conn, targets, transport="shm"):
-    receive_forever(conn, make_transport(transport), TargetLoader(targets))
+def copy_receiver(conn, targets, aliases=None):
+    receive_forever(conn, make_transport("shm"), TargetLoader(targets, aliases=aliases))
 
 
 def watching_receiver(conn, targets, produced, seen, delay):

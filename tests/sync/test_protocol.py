@@ -60,8 +60,8 @@ def test_twenty_syncs_leave_bit_exact_weights():
 def test_tied_lm_head_is_filled_from_the_embedding():
     export = qwen3_export(num_layers=1)
     plan = plan_for(export, tie_word_embeddings=True)
-    targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.copy_receiver, targets)
+    targets = sync_procs.shared_zeros_like(export)  # the engine keeps lm_head as a separate tensor
+    proc, conn = start(sync_procs.copy_receiver, targets, plan.aliases)
     sender = sender_for(conn, proc, plan)
     sender.sync(export)
     assert torch.equal(targets["lm_head.weight"], dict(export)["model.embed_tokens.weight"])
@@ -186,3 +186,11 @@ def test_target_process_owns_its_weights_and_shares_them_with_the_trainer():
     sender_for(conn, proc, plan).sync(export)
     assert_targets_equal(weights, export)
     stop(WeightSender(conn, SharedMemoryTransport(), plan), proc)
+
+
+def test_target_loader_leaves_a_shared_tied_tensor_alone():
+    embedding = torch.zeros(4, 2)
+    targets = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}
+    loader = TargetLoader(targets, aliases={"lm_head.weight": "model.embed_tokens.weight"})
+    loader([("model.embed_tokens.weight", torch.ones(4, 2))])
+    assert loader.mirrors == {} and torch.equal(embedding, torch.ones(4, 2))
