@@ -118,3 +118,29 @@ def pp_worker(rank, config, micro_lengths):
 def test_pipeline_1f1b_matches_single_process(config_of, family, tmp_path):
     # micro-batches of different token counts, as RL packing produces
     run_on_two_ranks(pp_worker, tmp_path, config_of(family), [(5, 3), (7,), (2, 2, 4), (6,)])
+
+
+def dp_worker(rank, config):
+    """Each DP rank sees half the batch; after one ZeRO-1 AdamW step the weights equal one process's step on
+    the whole batch (mean loss)."""
+    from redline.trainer.parallel import zero1_adamw
+
+    reference = from_config(config, dtype=torch.float32, seed=0)
+    model = from_config(config, dtype=torch.float32, seed=0, parallel=ParallelConfig(dp=2))
+    halves = [batch(config, (6, 2), seed=10), batch(config, (3, 5), seed=11)]
+    for input_ids, cu_seqlens in halves:
+        (next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids) / 2).backward()
+    torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+    input_ids, cu_seqlens = halves[rank]
+    next_token_loss(model.logits(input_ids, cu_seqlens), input_ids).backward()
+    finalize_grads(model, model.parallel_state)
+    optimizer = zero1_adamw(model, model.parallel_state, lr=1e-2)
+    optimizer.step()
+    assert type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_data_parallel_zero1_step_matches_single_process(config_of, tmp_path):
+    run_on_two_ranks(dp_worker, tmp_path, config_of("qwen3"))
