@@ -94,3 +94,20 @@ def test_misaligned_token_count_is_rejected_on_gpu(cuda):
     with pytest.raises(ValueError, match="divisible by 16"):
         FP8Matmul()(torch.randn(10, 32, device=cuda, dtype=torch.bfloat16),
                     torch.randn(32, 32, device=cuda, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_native_fp8_model_on_gpu_stays_close_to_bf16(config_of, batch_of, cuda, scaling):
+    config = config_of("qwen3")
+    config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, 32  # FP8 GEMM alignment
+    input_ids, cu_seqlens = (t.to(cuda) for t in batch_of((48, 80), config.vocab_size))
+    targets = input_ids.roll(-1)[:, None]
+    models = {name: from_config(config, backend=backend, dtype=torch.bfloat16, device=cuda, seed=0)
+              for name, backend in (("bf16", "bf16"), ("fp8", NativeFP8Backend(scaling)))}
+    with torch.no_grad():
+        logp = {name: F.log_softmax(m.logits(input_ids, cu_seqlens).float(), -1).gather(1, targets)
+                for name, m in models.items()}
+    delta = (logp["fp8"] - logp["bf16"]).abs()
+    print(f"native {scaling} vs bf16 on GPU: mean |dlogp| {delta.mean():.4f}, max {delta.max():.4f}")
+    assert delta.mean() < 0.05 and delta.max() < 0.5

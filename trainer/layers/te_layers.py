@@ -1,0 +1,81 @@
+"""The ``te`` layer backend: TransformerEngine modules under ``te.autocast`` with a chosen FP8 recipe.
+
+QKV and gate/up are ``te.LayerNormLinear`` (RMSNorm fused into the FP8 cast), o_proj and down ``te.Linear``,
+core attention ``te.DotProductAttention`` in THD layout (packed, ``padding_causal``). Modules expose the
+parameter contract of ``torch_layers`` (``norm_weight``, ``weight``, ``bias``, ``out_parts``), so HF export and
+loading work unchanged. TransformerEngine is imported only when this backend is built.
+
+Tensor parallelism through TE's own ``tp_group``/``sequence_parallel`` is not wired yet (``parallelize``
+rejects TE modules); FP8 needs the packed token count to be a multiple of 16 (of 128 for ``block``).
+"""
+
+import functools
+
+from redline.extras import require
+from redline.trainer.layers import LayerBackend
+
+RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "block": "Float8BlockScaling",
+           "mxfp8": "MXFP8BlockScaling"}
+
+
+@functools.cache
+def _modules():
+    """TE-derived module classes, defined on first use so importing redline never imports TE."""
+    te = require("transformer_engine.pytorch", "the 'te' layer backend")
+
+    class TENormLinear(te.LayerNormLinear):
+        def __init__(self, in_features, out_parts, *, bias, eps, dtype, device):
+            super().__init__(in_features, sum(out_parts), eps=eps, bias=bias, normalization="RMSNorm",
+                             params_dtype=dtype, device=device)
+            self.out_parts = tuple(out_parts)
+
+        @property
+        def norm_weight(self):
+            return self.layer_norm_weight
+
+    class TELinear(te.Linear):
+        def __init__(self, in_features, out_features, *, bias, dtype, device):
+            super().__init__(in_features, out_features, bias=bias, params_dtype=dtype, device=device)
+
+    class TEAttention(te.DotProductAttention):
+        def __init__(self, num_heads, num_kv_heads, head_dim):
+            super().__init__(num_heads, head_dim, num_gqa_groups=num_kv_heads, qkv_format="thd",
+                             attn_mask_type="padding_causal")
+
+        def forward(self, q, k, v, cu_seqlens, max_seqlen=None):
+            if max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            return super().forward(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                   max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+    return te, TENormLinear, TELinear, TEAttention
+
+
+class TEBackend(LayerBackend):
+    """``recipe``: ``delayed`` | ``current`` | ``block`` | ``mxfp8`` (Blackwell), or None for TE modules
+    without FP8; ``recipe_options`` go to the TE recipe dataclass (e.g. ``amax_history_len``)."""
+
+    name = "te"
+
+    def __init__(self, recipe: str | None = "current", **recipe_options):
+        if recipe is not None and recipe not in RECIPES:
+            raise ValueError(f"recipe={recipe!r} is unknown; expected one of {sorted(RECIPES)} or None")
+        super().__init__()
+        self.te, self._norm_linear, self._linear, self._attention = _modules()
+        recipes = require("transformer_engine.common.recipe", "the 'te' layer backend")
+        self.recipe = getattr(recipes, RECIPES[recipe])(**recipe_options) if recipe else None
+
+    def norm_linear(self, in_features, out_parts, *, bias, eps, dtype=None, device=None):
+        return self._norm_linear(in_features, out_parts, bias=bias, eps=eps, dtype=dtype, device=device)
+
+    def linear(self, in_features, out_features, *, bias, dtype=None, device=None):
+        return self._linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+
+    def attention(self, num_heads, num_kv_heads, head_dim):
+        return self._attention(num_heads, num_kv_heads, head_dim)
+
+    def autocast(self):
+        enabled = self.recipe is not None
+        if hasattr(self.te, "autocast"):  # TE >= 2.8; fp8_autocast is its deprecated alias
+            return self.te.autocast(enabled=enabled, recipe=self.recipe)
+        return self.te.fp8_autocast(enabled=enabled, fp8_recipe=self.recipe)
