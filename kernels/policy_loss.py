@@ -26,7 +26,6 @@ call as opaque instead of breaking the graph or tracing into Triton, and config 
 
 import dataclasses
 import functools
-import json
 
 import torch
 
@@ -264,18 +263,23 @@ def _launch_shape(num_tokens: int, num_seqs: int) -> tuple[int, int]:
 
 
 def policy_loss_grads_triton(logp, old_logp, advantages, mask, *, cfg: LossConfig, ref_logp=None, rollout_logp=None,
-                             entropy=None, cu_seqlens=None):
+                             entropy=None, cu_seqlens=None, block=None, split=None):
     """The Triton path of ``policy_loss_grads`` on already-checked inputs (CUDA, or CPU with TRITON_INTERPRET=1).
 
-    Returns ``(loss [] fp32, metrics [7] fp32 in METRIC_NAMES order, dloss_dlogp [T] fp32,
-    dloss_dentropy [T] fp32)``.
+    ``block`` (tokens per step) and ``split`` (programs per sequence), powers of two, override the launch shape
+    picked from T and S. Returns ``(loss [] fp32, metrics [7] fp32 in METRIC_NAMES order,
+    dloss_dlogp [T] fp32, dloss_dentropy [T] fp32)``.
     """
     require("triton", "the Triton policy-loss kernel")
     num_tokens = logp.shape[0]
     if num_tokens > MAX_TOKENS:
         raise ValueError(f"logp has {num_tokens} tokens; the kernel indexes tokens with int32 (max {MAX_TOKENS})")
     num_seqs = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    block, split = _launch_shape(num_tokens, num_seqs)
+    default_block, default_split = _launch_shape(num_tokens, num_seqs)
+    block, split = block or default_block, split or default_split
+    for name, value in (("block", block), ("split", split)):
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
     device = logp.device
     counters = torch.zeros(3 + num_seqs, dtype=torch.int32, device=device)
     seq_stats = torch.empty(num_seqs * split * SEQ_STATS, dtype=torch.float32, device=device)
@@ -377,23 +381,32 @@ def policy_loss_grads_torch(logp, old_logp, advantages, mask, *, cfg: LossConfig
     return sums[0].clone(), sums[1:].clone(), scale * dx, -cfg.entropy_coef * scale  # outputs may not alias
 
 
+CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(LossConfig))
+
+
 @functools.lru_cache(maxsize=64)
-def _config_from_json(text: str) -> LossConfig:
-    return LossConfig(**json.loads(text))
+def _config(*values) -> LossConfig:
+    return LossConfig(**dict(zip(CONFIG_FIELDS, values)))
 
 
+# The config travels as plain scalars (not a LossConfig) because a custom op's schema takes only those;
+# torch.compile then guards on each value.
 @torch.library.custom_op("redline::policy_loss", mutates_args=())
 def _policy_loss_op(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                     ref_logp: torch.Tensor | None, rollout_logp: torch.Tensor | None, entropy: torch.Tensor | None,
-                    cu_seqlens: torch.Tensor | None,
-                    config: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    cu_seqlens: torch.Tensor | None, estimator: str, eps_clip: float, eps_clip_high: float,
+                    eps_clip_c: float | None, kl_type: str, kl_coef: float, entropy_coef: float, tis: str | None,
+                    tis_clip_low: float | None, tis_clip: float | None, agg: str,
+                    agg_constant: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = _config(estimator, eps_clip, eps_clip_high, eps_clip_c, kl_type, kl_coef, entropy_coef, tis, tis_clip_low,
+                  tis_clip, agg, agg_constant)
     impl = policy_loss_grads_triton if logp.device.type == "cuda" else policy_loss_grads_torch
-    return impl(logp, old_logp, advantages, mask, cfg=_config_from_json(config), ref_logp=ref_logp,
-                rollout_logp=rollout_logp, entropy=entropy, cu_seqlens=cu_seqlens)
+    return impl(logp, old_logp, advantages, mask, cfg=cfg, ref_logp=ref_logp, rollout_logp=rollout_logp,
+                entropy=entropy, cu_seqlens=cu_seqlens)
 
 
 @_policy_loss_op.register_fake
-def _(logp, old_logp, advantages, mask, ref_logp, rollout_logp, entropy, cu_seqlens, config):
+def _(logp, *args):
     return (logp.new_empty(()), logp.new_empty(len(METRIC_NAMES)), torch.empty_like(logp), torch.empty_like(logp))
 
 
@@ -407,7 +420,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, grad_metrics, grad_dlogp, grad_dentropy):
     dlogp, dentropy = ctx.saved_tensors
     grad_entropy = grad_loss * dentropy if ctx.has_entropy else None
-    return grad_loss * dlogp, None, None, None, None, None, grad_entropy, None, None
+    return (grad_loss * dlogp, None, None, None, None, None, grad_entropy, None) + (None,) * len(CONFIG_FIELDS)
 
 
 torch.library.register_autograd("redline::policy_loss", _backward, setup_context=_setup_context)
@@ -425,7 +438,7 @@ def policy_loss_grads(logp, old_logp, advantages, mask, *, cfg: LossConfig, ref_
     check_policy_loss_inputs(logp, old_logp, advantages, mask, cfg=cfg, ref_logp=ref_logp, rollout_logp=rollout_logp,
                              entropy=entropy, cu_seqlens=cu_seqlens)
     loss, metrics, dlogp, dentropy = _policy_loss_op(logp, old_logp, advantages, mask, ref_logp, rollout_logp,
-                                                     entropy, cu_seqlens, json.dumps(dataclasses.asdict(cfg)))
+                                                     entropy, cu_seqlens, *(getattr(cfg, f) for f in CONFIG_FIELDS))
     return loss, dict(zip(METRIC_NAMES, metrics.unbind())), dlogp, dentropy
 
 
