@@ -215,7 +215,7 @@ def test_triton_backward_over_many_chunks_equals_one_chunk():
 
     args = _backward_inputs()
     # 16-row / 16-column chunks (the interpreter's tile) against a budget that holds everything at once
-    small = linear_logprobs_triton.backward(*args, 1.0, 0, workspace_bytes=2 * 16 * H * 8)
+    small = linear_logprobs_triton.backward(*args, 1.0, 0, workspace_bytes=16 * H * 8 * 2)
     whole = linear_logprobs_triton.backward(*args, 1.0, 0, workspace_bytes=2**30)
     for a, b in zip(small, whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fp32 summation order differs
@@ -303,3 +303,14 @@ def test_gpu_inductor_compiled_function_matches_eager(cuda):
         results.append((value.detach(), h.grad, w.grad))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager)
+
+
+def test_triton_forward_over_many_chunks_equals_one_chunk():
+    from redline.kernels import linear_logprobs_triton
+
+    hidden, weight, targets, rows = _backward_inputs()[:4]
+    # 16-token × 16-column logits blocks against one block holding everything
+    small = linear_logprobs_triton.forward_stats(hidden, weight, targets, rows, 1.3, 0, workspace_bytes=4096)
+    whole = linear_logprobs_triton.forward_stats(hidden, weight, targets, rows, 1.3, 0, workspace_bytes=2**30)
+    for a, b in zip(small, whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
