@@ -227,3 +227,11 @@ def bucketize(plan: WeightPlan, named_tensors: Iterable[tuple[str, torch.Tensor]
     if next_index != len(plan.buckets):
         absent = [m.name for i in sorted(pending) for m, t in zip(plan.buckets[i].tensors, pending[i]) if t is None]
         raise ValueError(f"export ended without the tensors {absent[:8]}{' ...' if len(absent) > 8 else ''}")
+
+
+def named_buckets(plan: WeightPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The export grouped by ``plan`` as ``[(name, tensor)]`` per bucket, in layout order: the bucket form
+    ``Engine.update_weights`` takes (an engine that flattens it gets exactly the plan's byte layout)."""
+    for layout, tensors in bucketize(plan, named_tensors):
+        yield list(zip(layout.names, tensors))
