@@ -150,6 +150,19 @@ def test_redline_zero_copy(gpu_bench, model, bucket_mib):
     _assert_engine_has(engine, trainer)
 
 
+@pytest.mark.parametrize("mode", ["pipelined", "zero-copy"])
+def test_redline_sampled_checksum(gpu_bench, model, mode):
+    """The same modes with checksums over every 16th row: what the full checks cost, read off side by side."""
+    size, specs, tied, engine = model
+    plan = _plan(specs, tied, 512)
+    trainer = Trainer(specs, plan)
+    sender = engine.sender(plan, checksum_row_stride=16)
+    run = (lambda: sender.sync(trainer.export)) if mode == "pipelined" else (lambda: sender.sync_flat(trainer.flats))
+    gpu_bench(run, group=_group(size, plan), provider=f"redline {mode}, 512 MiB, checksum 1/16 rows",
+              rounds=ROUNDS, warmup=WARMUP, **_info(plan, 512))
+    _assert_engine_has(engine, trainer)
+
+
 def _one_at_a_time(engine, plan, trainer, make_buffer):
     """Each bucket of ``plan`` in its own fresh buffer and its own session: export, load, device sync, reply,
     then free + ipc_collect + empty_cache before the next (slime's loop; per-tensor IPC with 1-tensor plans)."""

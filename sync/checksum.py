@@ -10,6 +10,11 @@ The checksum of ``nbytes`` bytes is two int64 numbers computed with wrap-around 
 Sums mod 2**64 do not depend on the reduction order, so the sender and the receiver agree bit for bit on any
 device. ``weighted`` makes the value depend on where bytes sit at row granularity (a stale or swapped row is
 caught, not only changed bytes). The only temporaries are one int64 per row (1/1024 of the bucket).
+
+``row_stride = s > 1`` reads only rows ``0, s, 2s, ...`` (and the tail): 1/s of the bytes. It still catches a
+stale, swapped or overwritten bucket (those change nearly every row) but not a change confined to skipped rows;
+it exists because a full read on each side costs about one HBM copy of the model per sync (see
+benchmarks/bench_sync.py, "stage: checksum only").
 """
 
 import torch
@@ -18,8 +23,9 @@ ROW_WORDS = 1024
 ROW_BYTES = ROW_WORDS * 8
 
 
-def bucket_checksum(bucket: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``[plain, weighted]`` int64 on ``bucket.device`` for the first ``nbytes`` of the flat uint8 ``bucket``.
+def bucket_checksum(bucket: torch.Tensor, nbytes: int, row_stride: int = 1) -> torch.Tensor:
+    """``[plain, weighted]`` int64 on ``bucket.device`` for the first ``nbytes`` of the flat uint8 ``bucket``
+    (rows ``0, row_stride, 2 * row_stride, ...`` of the body, and the tail).
 
     The bucket must start at an 8-byte aligned address (staging buffers and parameter storages do).
     """
@@ -27,11 +33,13 @@ def bucket_checksum(bucket: torch.Tensor, nbytes: int) -> torch.Tensor:
         raise ValueError(f"bucket_checksum needs a flat uint8 tensor, got {bucket.dtype} {tuple(bucket.shape)}")
     if not 0 <= nbytes <= bucket.numel():
         raise ValueError(f"bucket_checksum: nbytes={nbytes} outside the bucket's {bucket.numel()} bytes")
+    if row_stride < 1:
+        raise ValueError(f"bucket_checksum: row_stride must be >= 1, got {row_stride}")
     if bucket.data_ptr() % 8:
         raise ValueError("bucket_checksum needs an 8-byte aligned bucket (its first byte is not)")
     body = nbytes - nbytes % ROW_BYTES
-    rows = bucket[:body].view(torch.int64).view(-1, ROW_WORDS).sum(dim=1)
-    positions = torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=bucket.device)
+    rows = bucket[:body].view(torch.int64).view(-1, ROW_WORDS)[::row_stride].sum(dim=1)
+    positions = torch.arange(1, body // ROW_BYTES + 1, row_stride, dtype=torch.int64, device=bucket.device)
     tail = bucket[body:nbytes].to(torch.int64)
     tail_positions = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=bucket.device)
     plain = rows.sum() + tail.sum()

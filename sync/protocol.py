@@ -76,16 +76,22 @@ class WeightSender:
     ``conn``: a ``multiprocessing`` connection to a process running ``serve``. ``plan``: the bucket plan of the
     model's export. ``num_slots``: staging buffers of ``plan.capacity`` bytes each (2 = ping-pong).
     ``alive``: optional check that the receiver process still runs (a dead one is reported, not waited for).
+    ``checksum_row_stride``: checksum every row (1, the default) or every n-th row of each bucket (see
+    ``redline.sync.checksum``); the receiver uses the sender's choice.
     """
 
     def __init__(self, conn, transport: Transport, plan: WeightPlan, *, num_slots: int = 2,
-                 timeout: float = DEFAULT_TIMEOUT_S, alive: Callable[[], bool] | None = None):
+                 timeout: float = DEFAULT_TIMEOUT_S, alive: Callable[[], bool] | None = None,
+                 checksum_row_stride: int = 1):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not plan.buckets:
             raise ValueError("the weight plan has no buckets: nothing to sync")
         self.conn, self.transport, self.plan = conn, transport, plan
         self.num_slots, self.timeout, self.alive = num_slots, timeout, alive
+        if checksum_row_stride < 1:
+            raise ValueError(f"checksum_row_stride must be >= 1, got {checksum_row_stride}")
+        self.row_stride = checksum_row_stride
         self.session = 0
         self._last_index = -1
         self._ended = True
@@ -108,7 +114,7 @@ class WeightSender:
                     done[slot].wait()
                 # one multi-tensor launch per bucket on CUDA (a per-tensor loop on CPU)
                 torch._foreach_copy_([m.view(slots[slot]) for m in layout.tensors], list(tensors))
-                sums.append(bucket_checksum(slots[slot], layout.nbytes))
+                sums.append(bucket_checksum(slots[slot], layout.nbytes, self.row_stride))
                 ready[slot].record()
                 self._send("bucket", index=layout.index, slot=slot, fence=slot, layout=layout)
             self._finish(sums)
@@ -133,7 +139,7 @@ class WeightSender:
         sums = []
         with self._aborting():
             for layout, flat in zip(self.plan.buckets, flat_buckets):
-                sums.append(bucket_checksum(flat, layout.nbytes))
+                sums.append(bucket_checksum(flat, layout.nbytes, self.row_stride))
                 self._send("bucket", index=layout.index, slot=layout.index, fence=0, layout=layout)
             self._finish(sums)
         self._release_ipc()
@@ -164,7 +170,7 @@ class WeightSender:
         self._last_index = -1
         self._ended = False
         self._send("begin", slots=[self.transport.export(s) for s in slots], ready=[f.handle() for f in ready],
-                   reuse=reuse)
+                   reuse=reuse, row_stride=self.row_stride)
         opened = self._expect("opened", "opening the staging buffers")
         return [self.transport.open_fence(h) for h in opened["done"]]
 
@@ -263,7 +269,7 @@ def _serve_session(conn, transport: Transport, load, session: int, begin: dict) 
             slot = slots[payload["slot"]]
             ready[payload["fence"]].wait()
             load(layout.views(slot))
-            sums.append(bucket_checksum(slot, layout.nbytes))
+            sums.append(bucket_checksum(slot, layout.nbytes, begin["row_stride"]))
             if done:
                 done[payload["slot"]].record()
         except Exception:

@@ -53,3 +53,22 @@ def test_one_changed_byte_changes_the_checksum():
 def test_checksum_rejects_a_non_uint8_bucket():
     with pytest.raises(ValueError, match="uint8"):
         bucket_checksum(torch.zeros(8, dtype=torch.float32), 8)
+
+
+def test_strided_checksum_reads_every_nth_row_with_its_true_position():
+    buf = random_bytes(5 * ROW_BYTES + 11)
+    data = bytes(buf.tolist())
+    rows = [data[r * ROW_BYTES:(r + 1) * ROW_BYTES] for r in (0, 2, 4)]
+    # rows 1 and 3 are skipped: zeroing them leaves the strided checksum unchanged ...
+    skipped = bytearray(data)
+    for r in (1, 3):
+        skipped[r * ROW_BYTES:(r + 1) * ROW_BYTES] = bytes(ROW_BYTES)
+    assert torch.equal(bucket_checksum(buf, buf.numel(), row_stride=2),
+                       bucket_checksum(torch.tensor(list(skipped), dtype=torch.uint8), buf.numel(), row_stride=2))
+    # ... and the value is the definition's over rows 0, 2, 4 at positions 1, 3, 5 plus the tail
+    plain, weighted = reference(data[5 * ROW_BYTES:])
+    for position, row in zip((1, 3, 5), rows):
+        total = sum(int.from_bytes(row[i:i + 8], "little", signed=True) for i in range(0, ROW_BYTES, 8))
+        plain, weighted = plain + total, weighted + position * total
+    expected = [((v + (1 << 63)) % (1 << 64)) - (1 << 63) for v in (plain, weighted)]
+    assert bucket_checksum(buf, buf.numel(), row_stride=2).tolist() == expected

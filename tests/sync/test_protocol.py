@@ -195,3 +195,13 @@ def test_target_loader_leaves_a_shared_tied_tensor_alone():
     loader = TargetLoader(targets, aliases={"lm_head.weight": "model.embed_tokens.weight"})
     loader([("model.embed_tokens.weight", torch.ones(4, 2))])
     assert loader.mirrors == {} and torch.equal(embedding, torch.ones(4, 2))
+
+
+def test_sampled_checksums_still_catch_a_scribbled_bucket():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    proc, conn = start(sync_procs.corrupting_receiver, sync_procs.shared_zeros_like(export), 1)
+    sender = sender_for(conn, proc, plan, checksum_row_stride=4)
+    with pytest.raises(ChecksumMismatch, match=r"buckets \[1\]"):  # the scribble hits row 0 of the bucket
+        sender.sync(export)
+    stop(sender, proc)
