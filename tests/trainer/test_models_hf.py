@@ -96,3 +96,12 @@ def test_checkpoint_with_an_unknown_tensor_is_rejected(config_of, tmp_path):
 def test_unsupported_family_names_the_model_type():
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         from_config(transformers.GPT2Config(n_layer=1), dtype=torch.float32)
+
+
+def test_same_seed_gives_the_same_weights_on_every_backend(config_of):
+    from redline.trainer.fp8.linear import NativeFP8Backend
+
+    config = config_of("qwen2")
+    plain = dict(from_config(config, dtype=torch.float32, seed=3).export_hf())
+    native = dict(from_config(config, backend=NativeFP8Backend(), dtype=torch.float32, seed=3).export_hf())
+    assert plain.keys() == native.keys() and all(torch.equal(plain[n], native[n]) for n in plain)

@@ -166,14 +166,3 @@ class DecoderModel(nn.Module):
                 x = layer.forward_cached(x, cos, sin, cache.k[index], cache.v[index], slots, positions)
             return self.norm(x)
 
-
-def init_weights(model: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
-    """HF-style random init: matrices ~ N(0, std), norm weights 1, biases 0."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, std, generator=generator)
-            elif "norm" in name:  # norm_weight, q_norm.weight, TE layer_norm_weight ...
-                param.fill_(1.0)
-            else:
-                param.zero_()

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from redline.trainer.layers import LayerBackend, layer_backend
-from redline.trainer.models.decoder import DecoderModel, init_weights
+from redline.trainer.models.decoder import DecoderModel
 from redline.trainer.models.export import SAFE_INDEX, SAFE_SINGLE, hf_entries
 from redline.trainer.models.spec import load_hf_config
 
@@ -28,6 +28,22 @@ def _parallelize(model, parallel):
     from redline.trainer.parallel import parallelize
 
     return parallelize(model, parallel)
+
+
+@torch.no_grad()
+def init_weights(model: DecoderModel, std: float, generator: torch.Generator) -> None:
+    """HF-style random init in HF tensor order: matrices ~ N(0, std), norm weights 1, biases 0.
+
+    Walking the HF table (not ``named_parameters``) makes the weights depend on the seed only, not on the
+    backend's parameter order, so a TE model and a bf16 model built with one seed are the same model.
+    """
+    for names, tensor, _ in hf_entries(model):
+        if names[0].endswith(".bias"):
+            tensor.zero_()
+        elif tensor.dim() == 1:  # every 1-D weight of these families is a norm scale
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=generator)
 
 
 def from_config(hf_config_or_path, *, backend="bf16", parallel=None, dtype=torch.bfloat16, device="cpu",
