@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from redline.kernels.loss_config import AGG_MODES, ESTIMATORS, KL_TYPES, TIS_MODES, LossConfig
-from redline.kernels.policy_loss import (policy_loss, policy_loss_grads, policy_loss_grads_torch,
-                                         policy_loss_grads_triton)
+from redline.kernels.policy_loss import BACKEND_ENV, policy_loss, policy_loss_grads
+from redline.kernels.policy_loss_torch import policy_loss_grads_torch
+from redline.kernels.policy_loss_triton import policy_loss_grads_triton
 from redline.kernels.reference import METRIC_NAMES, policy_loss_reference
 
 IMPLEMENTATIONS = {"triton": policy_loss_grads_triton, "torch": policy_loss_grads_torch}
@@ -144,6 +145,20 @@ def test_policy_loss_backward_matches_reference_gradients():
     expected = reference(dict(batch, logp=logp.detach(), entropy=entropy.detach()), cfg)
     assert_matches((loss, torch.stack([metrics[n] for n in METRIC_NAMES]), logp.grad / 3, entropy.grad / 3),
                    expected)
+
+
+def test_backend_variable_runs_the_triton_kernel_behind_policy_loss(monkeypatch):
+    batch = make_batch(**SMALL)
+    cfg = make_config("gspo", "k3", "icepop", "seq-mean-token-sum")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    loss, metrics, dlogp, dentropy = policy_loss_grads(**batch, cfg=cfg)
+    assert_matches((loss, torch.stack([metrics[n] for n in METRIC_NAMES]), dlogp, dentropy), reference(batch, cfg))
+
+
+def test_unknown_backend_is_rejected_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        policy_loss(**make_batch(**SMALL), cfg=make_config("ppo", "k1", None, "token-mean"))
 
 
 def test_metrics_are_fp32_scalars_that_do_not_require_grad():
