@@ -1,10 +1,9 @@
-"""TP=2 (with and without SP) and PP=2 over gloo on CPU give TP=1's loss and gradients.
+"""TP=2 (with and without SP), PP=2 and DP=2 give the single-process loss, gradients and update.
 
-Each test spawns two processes; every rank also builds the unsharded model from the same seed and computes
-the single-process reference itself.
+Each test spawns two processes (gloo on CPU; the ``multigpu`` variants use NCCL on two GPUs); every rank also
+builds the unsharded model from the same seed and computes the single-process reference itself.
 """
 
-import functools
 
 import pytest
 import torch
@@ -19,23 +18,30 @@ from redline.trainer.parallel.pipeline import stage_layers
 LENGTHS = (5, 9, 2)  # 16 tokens: divisible by tp for sequence parallelism
 
 
-def run_on_two_ranks(worker, tmp_path, *args):
-    mp.spawn(_bootstrap, args=(worker, str(tmp_path / "store"), args), nprocs=2, join=True)
+def run_on_two_ranks(worker, tmp_path, *args, nccl=False):
+    mp.spawn(_bootstrap, args=(worker, str(tmp_path / "store"), nccl, args), nprocs=2, join=True)
 
 
-def _bootstrap(rank, worker, store, args):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def _bootstrap(rank, worker, store, nccl, args):
+    if nccl:
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         worker(rank, *args)
     finally:
         dist.destroy_process_group()
 
 
+def device():
+    return torch.get_default_device()
+
+
 def batch(config, lengths=LENGTHS, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=generator)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return input_ids, cu_seqlens
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    input_ids = torch.randint(0, config.vocab_size, (sum(lengths),), generator=generator, device="cpu")
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths, device="cpu").cumsum(0).tolist()], dtype=torch.int32)
+    return input_ids.to(device()), cu_seqlens.to(device())
 
 
 def next_token_loss(logits, input_ids):
@@ -48,8 +54,9 @@ def full_grad(param):
 
 
 def tp_worker(rank, config, sequence_parallel):
-    reference = from_config(config, dtype=torch.float32, seed=0)
-    model = from_config(config, dtype=torch.float32, seed=0, parallel=ParallelConfig(tp=2, sp=sequence_parallel))
+    reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
+    model = from_config(config, dtype=torch.float32, device=device(), seed=0,
+                        parallel=ParallelConfig(tp=2, sp=sequence_parallel))
     input_ids, cu_seqlens = batch(config)
     expected = next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids)
     expected.backward()
@@ -80,9 +87,16 @@ def test_sequence_parallel_matches_single_process(config_of, tmp_path):
     run_on_two_ranks(tp_worker, tmp_path, config_of("qwen3"), True)
 
 
+@pytest.mark.multigpu
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_over_nccl_matches_single_gpu(config_of, tmp_path, sequence_parallel):
+    run_on_two_ranks(tp_worker, tmp_path, config_of("qwen3"), sequence_parallel, nccl=True)
+
+
 def pp_worker(rank, config, micro_lengths):
-    reference = from_config(config, dtype=torch.float32, seed=0)
-    stage = from_config(config, dtype=torch.float32, seed=0, parallel=ParallelConfig(pp=2))
+    reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
+    stage = from_config(config, dtype=torch.float32, device=device(), seed=0,
+                        parallel=ParallelConfig(pp=2))
     micro_batches = [batch(config, lengths, seed=i) for i, lengths in enumerate(micro_lengths)]
     scale = 1.0 / len(micro_batches)
     expected = []
@@ -120,13 +134,19 @@ def test_pipeline_1f1b_matches_single_process(config_of, family, tmp_path):
     run_on_two_ranks(pp_worker, tmp_path, config_of(family), [(5, 3), (7,), (2, 2, 4), (6,)])
 
 
+@pytest.mark.multigpu
+def test_pipeline_over_nccl_matches_single_gpu(config_of, tmp_path):
+    run_on_two_ranks(pp_worker, tmp_path, config_of("qwen3-tied"), [(5, 3), (7,), (2, 2, 4), (6,)], nccl=True)
+
+
 def dp_worker(rank, config):
     """Each DP rank sees half the batch; after one ZeRO-1 AdamW step the weights equal one process's step on
     the whole batch (mean loss)."""
     from redline.trainer.parallel import zero1_adamw
 
-    reference = from_config(config, dtype=torch.float32, seed=0)
-    model = from_config(config, dtype=torch.float32, seed=0, parallel=ParallelConfig(dp=2))
+    reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
+    model = from_config(config, dtype=torch.float32, device=device(), seed=0,
+                        parallel=ParallelConfig(dp=2))
     halves = [batch(config, (6, 2), seed=10), batch(config, (3, 5), seed=11)]
     for input_ids, cu_seqlens in halves:
         (next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids) / 2).backward()

@@ -67,7 +67,8 @@ def _rowwise_cast_kernel(x_ptr, out_ptr, scale_inv_ptr, cols, stride_r, stride_c
     for start in range(0, cols, BLOCK):
         c = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_r + c * stride_c, mask=c < cols, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * cols + c, tl.clamp(x * scale, -fp8_max, fp8_max).to(OUT_DTYPE, fp_downcast_rounding="rtne"), mask=c < cols)
+        q = tl.clamp(x * scale, -fp8_max, fp8_max).to(OUT_DTYPE, fp_downcast_rounding="rtne")
+        tl.store(out_ptr + row * cols + c, q, mask=c < cols)
     tl.store(scale_inv_ptr + row, tl.math.div_rn(1.0, scale))
 
 

@@ -118,6 +118,8 @@ class DecoderModel(nn.Module):
         ``hidden`` replaces the embedding output on pipeline stages after the first; ``max_seqlen`` (longest
         sequence) spares flash attention a device-to-host read.
         """
+        if hidden is None and self.embed_tokens is None:
+            raise ValueError("this pipeline stage has no embedding: pass the previous stage's output as hidden=")
         positions = packed_positions(cu_seqlens, input_ids.shape[0])
         with self.backend.autocast():
             x = self.embed_tokens(input_ids) if hidden is None else hidden
