@@ -1,0 +1,159 @@
+"""The embedded engine in its own process (``torch.multiprocessing``, spawn): the form the colocated sync path
+feeds. Tensors sent to ``update_weights`` / ``load_weights`` cross by shared memory (CPU) or CUDA IPC (GPU);
+each call returns only after the engine has copied them, so the sender may then reuse its buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import pickle
+import threading
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing as mp
+
+from redline.rollout.engine import WeightBuckets, iterate_buckets
+from redline.rollout.types import GenerateRequest, GenerateResult
+
+_READY = -1
+
+
+def _encode(message) -> bytes:
+    """Pickle with torch's reductions (shared memory / CUDA IPC for tensors) in the caller's thread, so a
+    message that cannot cross raises here instead of dying silently in the queue's feeder thread."""
+    return bytes(ForkingPickler.dumps(message))
+
+
+def _reply(replies, call_id, ok, value) -> None:
+    try:
+        replies.put(_encode((call_id, ok, value)))
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result still has to reach the waiting caller
+        replies.put(_encode((call_id, False, RuntimeError(f"{type(exc).__name__}: {exc} (sending {value!r})"))))
+
+
+def _serve(model_path, engine_kwargs, requests, replies) -> None:
+    """Child process: host an EmbeddedEngine and answer ``(call_id, method, args)`` messages in order of arrival
+    (calls run concurrently, so a ``pause`` can reach a running ``generate``)."""
+    from redline.rollout.embedded.engine import EmbeddedEngine
+
+    async def main():
+        try:
+            engine = EmbeddedEngine.from_pretrained(model_path, **engine_kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+            _reply(replies, _READY, False, exc)
+            return
+        _reply(replies, _READY, True, None)
+        loop = asyncio.get_running_loop()
+        calls = set()
+
+        async def answer(call_id, method, args):
+            try:
+                if method == "load_weights":
+                    value = await asyncio.to_thread(engine.load_weights, *args)
+                elif method == "set_weight_version":
+                    engine.weight_version = args[0]
+                    value = None
+                else:
+                    value = await getattr(engine, method)(*args)
+                _reply(replies, call_id, True, value)
+            except Exception as exc:  # noqa: BLE001 - the caller's error, re-raised in the parent
+                _reply(replies, call_id, False, exc)
+
+        while True:
+            call_id, method, args = pickle.loads(await loop.run_in_executor(None, requests.get))
+            task = asyncio.create_task(answer(call_id, method, args))
+            calls.add(task)
+            task.add_done_callback(calls.discard)
+            if method == "shutdown":
+                await task
+                return
+
+    asyncio.run(main())
+
+
+class EmbeddedEngineProcess:
+    """Implements ``redline.rollout.engine.Engine``; ``engine_kwargs`` go to ``EmbeddedEngine.from_pretrained``
+    in the child (``dtype``, ``device``, ``max_batch_size`` ...)."""
+
+    def __init__(self, model_path, *, start_timeout: float = 600.0, **engine_kwargs):
+        ctx = mp.get_context("spawn")
+        self._requests, self._replies = ctx.Queue(), ctx.Queue()
+        self._process = ctx.Process(target=_serve, args=(str(model_path), engine_kwargs, self._requests,
+                                                         self._replies), daemon=True, name="embedded-engine")
+        self._process.start()
+        call_id, ok, error = pickle.loads(self._replies.get(timeout=start_timeout))
+        if not ok:
+            self._process.join()
+            raise RuntimeError(f"the embedded engine process failed to start: {error!r}") from error
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._reader = threading.Thread(target=self._read_replies, daemon=True, name="embedded-engine-replies")
+        self._reader.start()
+        self._closed = False
+
+    def _read_replies(self) -> None:
+        while True:
+            message = self._replies.get()
+            if message is None:
+                return
+            call_id, ok, value = pickle.loads(message)
+            loop, future = self._waiting.pop(call_id)
+
+            def resolve(future=future, ok=ok, value=value):
+                if future.done():
+                    return
+                future.set_result(value) if ok else future.set_exception(value)
+            loop.call_soon_threadsafe(resolve)
+
+    async def _call(self, method: str, *args):
+        if self._closed:
+            raise RuntimeError("the embedded engine process is shut down")
+        loop = asyncio.get_running_loop()
+        call_id = next(self._ids)
+        message = _encode((call_id, method, args))
+        future = loop.create_future()
+        self._waiting[call_id] = (loop, future)
+        self._requests.put(message)
+        return await future
+
+    async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        return await self._call("generate", requests)
+
+    async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
+        async for bucket in iterate_buckets(buckets):
+            await self.load_weights(bucket)
+        await self._call("set_weight_version", str(version))
+
+    async def load_weights(self, named_tensors) -> None:
+        """Copy one bucket of HF-named tensors into the child's model; returns once copied."""
+        await self._call("load_weights", [(name, tensor.detach()) for name, tensor in named_tensors])
+
+    async def release_memory(self, tags) -> None:
+        await self._call("release_memory", set(tags))
+
+    async def resume_memory(self, tags) -> None:
+        await self._call("resume_memory", set(tags))
+
+    async def flush_cache(self) -> None:
+        await self._call("flush_cache")
+
+    async def pause(self) -> None:
+        await self._call("pause")
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def health(self) -> bool:
+        return self._process.is_alive() and not self._closed and await self._call("health")
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        await self._call("shutdown")
+        self._closed = True
+        await asyncio.to_thread(self._process.join)
+        self._replies.put(None)  # ends the reader thread
+        await asyncio.to_thread(self._reader.join)
+
+
