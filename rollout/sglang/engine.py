@@ -40,15 +40,20 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, model_path, *, num_engines: int = 1, tp_size: int = 1, sglang_args: list[str] = (),
-               use_router: bool | None = None, log_dir="logs", **server_kwargs) -> SGLangEngine:
-        """Start ``num_engines`` servers on consecutive GPU groups of ``tp_size`` GPUs, plus sglang-router when
-        there are several and it is installed (``use_router=None``) or when asked (``True``)."""
+               use_router: bool | None = None, base_gpu_ids: list[int] | None = None, log_dir="logs",
+               **server_kwargs) -> SGLangEngine:
+        """Start ``num_engines`` servers, by default on consecutive GPU groups of ``tp_size`` GPUs
+        (``base_gpu_ids`` overrides, e.g. ``[0, 0]`` for two small servers sharing one GPU), plus sglang-router
+        when there are several and it is installed (``use_router=None``) or when asked (``True``)."""
         from redline.extras import available
 
+        base_gpu_ids = base_gpu_ids if base_gpu_ids is not None else [i * tp_size for i in range(num_engines)]
+        if len(base_gpu_ids) != num_engines:
+            raise ValueError(f"base_gpu_ids has {len(base_gpu_ids)} entries for num_engines={num_engines}")
         servers: list[ManagedProcess] = []
         try:
-            for i in range(num_engines):
-                servers.append(launch_server(model_path, base_gpu_id=i * tp_size, tp_size=tp_size,
+            for base_gpu_id in base_gpu_ids:
+                servers.append(launch_server(model_path, base_gpu_id=base_gpu_id, tp_size=tp_size,
                                              extra_args=list(sglang_args), log_dir=log_dir, **server_kwargs))
             urls = [s.url for s in servers]
             if use_router is None:
