@@ -8,7 +8,7 @@ Execution, all inside the forward call (the autograd backward only scales the sa
 upstream scalar, so no activations are kept):
   1. ``linear_logprobs.forward_impl``: logp, entropy, lse of every selected token (2·T·H·V FLOPs, logits
      never materialised);
-  2. ``policy_loss_grads``: loss, metrics and d loss/d logp, d loss/d entropy per token. Every estimator —
+  2. the ``policy_loss_grads`` implementation: loss, metrics and d loss/d logp, d loss/d entropy per token. Every estimator —
      GSPO included, whose per-sequence mean of logp − old_logp needs all of a sequence's logp before any
      token's gradient is known — gets its exact gradient because step 1 finished for all tokens first;
   3. ``linear_logprobs.backward_impl`` with those per-token gradients: recomputed logits, dz, dHidden, dW
@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 
 from .linear_logprobs import backward_impl, check_inputs, forward_impl
-from .loss_config import LossConfig
-from .policy_loss import CONFIG_FIELDS, _config, policy_loss_grads
+from .loss_config import LossConfig, check_policy_loss_inputs
+from .policy_loss import CONFIG_FIELDS, _config
+from .policy_loss import _implementation as policy_loss_implementation
 from .reference import METRIC_NAMES
 
 
@@ -33,13 +34,17 @@ def _loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_log
                     cfg: LossConfig, temperature: float, group=None):
     """(loss [], metrics [len(METRIC_NAMES)], d_hidden, d_weight), all computed now."""
     logp, entropy, lse = forward_impl(hidden, weight, targets, mask, temperature, group)
-    loss, metrics, dlogp, dentropy = policy_loss_grads(logp, old_logp, advantages, mask, cfg=cfg, ref_logp=ref_logp,
-                                                       rollout_logp=rollout_logp, entropy=entropy,
-                                                       cu_seqlens=cu_seqlens)
+    check_policy_loss_inputs(logp, old_logp, advantages, mask, cfg=cfg, ref_logp=ref_logp, rollout_logp=rollout_logp,
+                             entropy=entropy, cu_seqlens=cu_seqlens)
+    # The loss implementation directly, not the redline::policy_loss op: a custom op called from inside this
+    # one's implementation failed in torch 2.11's dispatcher ("vector::reserve").
+    loss, metrics, dlogp, dentropy = policy_loss_implementation(logp.device)(
+        logp, old_logp, advantages, mask, cfg=cfg, ref_logp=ref_logp, rollout_logp=rollout_logp, entropy=entropy,
+        cu_seqlens=cu_seqlens)
     grad_entropy = dentropy if cfg.entropy_coef != 0 else None
     d_hidden, d_weight = backward_impl(hidden, weight, targets, mask, lse, entropy, dlogp, grad_entropy,
                                        temperature, group)
-    return loss, torch.stack([metrics[name] for name in METRIC_NAMES]), d_hidden, d_weight
+    return loss, metrics, d_hidden, d_weight
 
 
 @torch.library.custom_op("redline::linear_policy_loss", mutates_args=())
