@@ -41,6 +41,7 @@ class DataConfig:
     rollout_shuffle: bool = option(True, "shuffle prompts each epoch")
     skip_bad_records: bool = option(False, "skip and count malformed records instead of failing")
     eval_prompt_data: str | None = option(None, "eval dataset (JSONL or Parquet)")
+    sft_prompt_data: str | None = option(None, "labelled data of the SFT warm-up (default: --prompt-data)")
 
 
 @dataclass
@@ -58,10 +59,16 @@ class RolloutConfig:
     rollout_stop_token_ids: list[int] = option([], "stop token ids (besides EOS)")
     rm_type: str | None = option(None, "built-in reward: math, exact_match, f1, remote_rm")
     custom_rm_path: str | None = option(None, "reward function 'module:function'")
+    group_rm: bool = option(False, "the custom reward scores a whole group at once")
+    rm_url: str | None = option(None, "URL of the remote reward model (--rm-type remote_rm)")
     dynamic_sampling_filter_path: str | None = option(None, "group filter 'module:function'")
     custom_generate_function_path: str | None = option(None, "custom generate 'module:function' (multi-turn, tools)")
     partial_rollout: bool = option(False, "return unfinished groups to the buffer")
     sglang_args: list[str] = option([], "extra SGLang server arguments, passed through")
+    eval_temperature: float = option(1.0, "sampling temperature of evaluation")
+    eval_top_p: float = option(1.0, "nucleus p of evaluation")
+    eval_max_response_len: int | None = option(None, "max new tokens in evaluation (default: the rollout's)")
+    n_samples_per_eval_prompt: int = option(1, "responses per eval prompt (pass@k for k up to this)")
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Built-in task and model for the quickstart: nothing is downloaded, redline makes both.
 
-``prompt_data = "builtin:addition"`` writes a JSONL of single-digit sums (``"3+5="`` → ``"8"``);
+``prompt_data = "builtin:addition"`` writes JSONL files of single-digit sums (``"3+5="`` → ``"8"``): the RL prompts,
+an eval set, and noisy demonstrations for the SFT warm-up (each prompt with the answers a+b-2 … a+b+2, so
+imitation alone is right one time in five and RL has to find which answer the reward accepts);
 ``hf_checkpoint = "builtin:tiny"`` writes a small Qwen3-architecture model with random weights and a
 character-level tokenizer trained with ``tokenizers``. Both land in ``<output_dir>/builtin/``.
 """
@@ -21,14 +23,29 @@ def is_builtin(value: str | None) -> bool:
     return bool(value) and value.startswith(PREFIX)
 
 
-def addition_task(folder: Path, *, seed: int = 0) -> tuple[Path, Path]:
-    """``train.jsonl`` (every a+b with a, b ∈ 0..9, shuffled) and ``eval.jsonl`` (the same set, fixed order)."""
+DEMO_OFFSETS = (-2, -1, 0, 1, 2)
+OPERANDS = 5  # a, b in 0..4: 25 prompts
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def addition_task(folder: Path, *, seed: int = 0) -> dict[str, Path]:
+    """``train.jsonl`` (every a+b with a, b ∈ 0..4, shuffled), ``eval.jsonl`` (the same, fixed order) and
+    ``sft.jsonl`` (five demonstrations per prompt, one of them correct)."""
     folder.mkdir(parents=True, exist_ok=True)
-    records = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in range(10) for b in range(10)]
-    (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    random.Random(seed).shuffle(records)
-    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return folder / "train.jsonl", folder / "eval.jsonl"
+    records = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in range(OPERANDS) for b in range(OPERANDS)]
+    demos = [{"prompt": f"{a}+{b}=", "label": str(a + b + d)}
+             for a in range(OPERANDS) for b in range(OPERANDS) for d in DEMO_OFFSETS]
+    rng = random.Random(seed)
+    paths = {"eval": _write(folder / "eval.jsonl", records)}
+    rng.shuffle(records)
+    rng.shuffle(demos)
+    paths["train"] = _write(folder / "train.jsonl", records)
+    paths["sft"] = _write(folder / "sft.jsonl", demos)
+    return paths
 
 
 def char_tokenizer():
@@ -52,7 +69,7 @@ def tiny_model(folder: Path, *, seed: int = 0) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = char_tokenizer()
-    vocab_size = 32  # the characters plus room to spare, a multiple of 8
+    vocab_size = len(tokenizer)  # every id the model can emit decodes to a character
     config = Qwen3Config(vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **TINY_MODEL)
     model = from_config(config, backend="bf16", dtype=torch.float32, device="cpu", seed=seed)
@@ -68,10 +85,12 @@ def materialize(config, builtin_dir: Path) -> dict[str, str]:
         name = config.data.prompt_data[len(PREFIX):]
         if name != "addition":
             raise ValueError(f"--prompt-data {config.data.prompt_data}: unknown built-in task (known: addition)")
-        train, evaluation = addition_task(builtin_dir / "addition", seed=config.train.seed)
-        overrides["prompt_data"] = str(train)
+        paths = addition_task(builtin_dir / "addition", seed=config.train.seed)
+        overrides["prompt_data"] = str(paths["train"])
         if config.data.eval_prompt_data in (None, config.data.prompt_data):
-            overrides["eval_prompt_data"] = str(evaluation)
+            overrides["eval_prompt_data"] = str(paths["eval"])
+        if config.data.sft_prompt_data in (None, config.data.prompt_data):
+            overrides["sft_prompt_data"] = str(paths["sft"])
     if is_builtin(config.model.hf_checkpoint):
         name = config.model.hf_checkpoint[len(PREFIX):]
         if name != "tiny":

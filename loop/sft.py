@@ -23,7 +23,7 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
     worker.begin_sft(cfg.train.sft_lr or cfg.train.lr, cfg.train.sft_steps)
     losses = []
     for _ in range(cfg.train.sft_steps):
-        prompts = [group[0] for group in state.rollout.data.get_groups(cfg.train.global_batch_size, 1)]
+        prompts = [group[0] for group in state.rollout.sft_data.get_groups(cfg.train.global_batch_size, 1)]
         samples = [labelled_sample(p, tokenizer) for p in prompts]
         lengths = [len(s.tokens) for s in samples]
         batches = [pack(samples, ids, {}) for ids in split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)]

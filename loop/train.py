@@ -38,7 +38,7 @@ def resolve_backend(config) -> str:
 def build(config, out: Path, console: Console) -> RunState:
     from transformers import AutoTokenizer
 
-    from redline.rollout import build_rollout
+    from redline.loop.rollout_setup import build_rollout
     from redline.trainer.models import from_pretrained
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -92,8 +92,9 @@ def check_backends(config) -> None:
         raise ConfigError("--backend te needs TransformerEngine: pip install 'redline[te]'")
     if backend in ("te", "native") and not torch.cuda.is_available():
         raise ConfigError(f"--backend {backend} is FP8 and needs a CUDA GPU; use --backend bf16 on this machine")
-    if config.rollout.rollout_engine == "sglang" and not available("sglang"):
-        raise ConfigError("--rollout-engine sglang needs SGLang: pip install 'redline[sglang]'")
+    if config.rollout.rollout_engine == "sglang":
+        raise ConfigError("--rollout-engine sglang: `redline train` drives the embedded engine only so far; "
+                          "SGLang engines are usable through redline.rollout directly")
     if config.model.dtype == "float16":
         raise ConfigError("--dtype float16 is not supported for training (use bfloat16 or float32)")
 
@@ -104,6 +105,9 @@ def validate(config) -> None:
     check_model_dir(config.model.hf_checkpoint)
     needs_label = config.rollout.rm_type is not None or config.train.sft_steps > 0 or config.algo.loss_type == "sft"
     check_data(config.data.prompt_data, config.data.input_key, config.data.label_key, "--prompt-data", needs_label)
+    if config.data.sft_prompt_data:
+        check_data(config.data.sft_prompt_data, config.data.input_key, config.data.label_key, "--sft-prompt-data",
+                   needs_label=True)
     if config.data.eval_prompt_data:
         check_data(config.data.eval_prompt_data, config.data.input_key, config.data.label_key,
                    "--eval-prompt-data", needs_label)

@@ -1,0 +1,108 @@
+"""Builds the rollout side of a run from its config: engine, data, reward, filter, eval sets, manager.
+
+``LoopRollout`` is what the RL step talks to: ``generate(rollout_id)`` → (flat samples, metrics) and
+``evaluate(rollout_id)`` → metrics. Each sample's sampling seed is derived from the run seed and the sample's
+global index, so a resumed run draws exactly what the uninterrupted run would have.
+"""
+
+from redline.rollout.data import DataSource, PromptDataset
+from redline.rollout.evaluation import EvalSet, evaluate
+from redline.rollout.functions import load_function
+from redline.rollout.generate import generate_sample
+from redline.rollout.manager import RolloutManager
+from redline.rollout.rewards import build_reward
+from redline.rollout.types import SamplingParams
+
+SEED_STRIDE = 1_000_003
+
+
+def seeded(generate_fn, base_seed: int):
+    """Wrap a generate function so each sample is drawn with its own reproducible seed."""
+
+    async def generate_with_seed(engine, tokenizer, sample, params):
+        return await generate_fn(engine, tokenizer, sample, params.replace(seed=base_seed * SEED_STRIDE + sample.index))
+
+    return generate_with_seed
+
+
+class LoopRollout:
+    def __init__(self, manager: RolloutManager, engine, tokenizer, eval_sets: list[EvalSet], reward,
+                 sft_data: DataSource | None = None):
+        self.manager, self.engine, self.tokenizer = manager, engine, tokenizer
+        self.eval_sets, self.reward = eval_sets, reward
+        self.sft_data = sft_data or manager.data_source
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_sets)
+
+    async def generate(self, rollout_id: int):
+        output = await self.manager.generate_rollout()
+        return [s for group in output.groups for s in group], output.metrics
+
+    async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        metrics = {}
+        for eval_set in self.eval_sets:
+            metrics.update(await evaluate(self.engine, self.tokenizer, eval_set, self.reward))
+        if len(self.eval_sets) == 1:  # the headline numbers without the set's name
+            name = self.eval_sets[0].name
+            metrics.update({k.replace(f"eval/{name}/", "eval/"): v for k, v in list(metrics.items())})
+        return metrics
+
+    def state_dict(self) -> dict:
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.manager.load_state_dict(state)
+
+
+def build_engine(config, tokenizer, *, device, dtype):
+    """The embedded engine on its own copy of the weights (in-process, same device as the trainer)."""
+    from redline.rollout.embedded.engine import EmbeddedEngine
+    from redline.trainer.models import from_pretrained
+
+    r = config.rollout
+    model = from_pretrained(config.model.hf_checkpoint, backend="bf16", dtype=dtype, device=device)
+    rows = min(r.rollout_batch_size * r.n_samples_per_prompt, 512)
+    prompt_len = config.data.rollout_max_prompt_len or model_context(model) - r.rollout_max_response_len
+    return EmbeddedEngine(model, tokenizer, max_batch_size=rows,
+                          max_seq_len=min(model_context(model), prompt_len + r.rollout_max_response_len),
+                          seed=config.train.seed)
+
+
+def model_context(model) -> int:
+    return int(getattr(model.hf_config, "max_position_embeddings", 4096))
+
+
+def build_rollout(config, tokenizer, *, device, dtype):
+    """``(engine, LoopRollout)`` for the run."""
+    d, r = config.data, config.rollout
+    dataset_options = dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                           apply_chat_template=d.apply_chat_template, max_prompt_len=d.rollout_max_prompt_len,
+                           skip_bad_records=d.skip_bad_records)
+    data = DataSource(PromptDataset(d.prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
+                      shuffle=d.rollout_shuffle)
+    reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url)
+    engine = build_engine(config, tokenizer, device=device, dtype=dtype)
+    params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                            max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
+                            stop_token_ids=tuple(r.rollout_stop_token_ids))
+    generate_fn = (load_function(r.custom_generate_function_path, what="--custom-generate-function-path",
+                                 must_be_async=True) if r.custom_generate_function_path else generate_sample)
+    dynamic_filter = (load_function(r.dynamic_sampling_filter_path, what="--dynamic-sampling-filter-path")
+                      if r.dynamic_sampling_filter_path else None)
+    manager = RolloutManager(engine, tokenizer, data, reward, params=params,
+                             rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
+                             over_sampling_batch_size=r.over_sampling_batch_size, dynamic_filter=dynamic_filter,
+                             partial_rollout=r.partial_rollout, generate_fn=seeded(generate_fn, config.train.seed))
+    eval_sets = []
+    if d.eval_prompt_data:
+        eval_params = params.replace(temperature=r.eval_temperature, top_p=r.eval_top_p,
+                                     max_new_tokens=r.eval_max_response_len or r.rollout_max_response_len)
+        eval_sets.append(EvalSet(name="eval", dataset=PromptDataset(d.eval_prompt_data, tokenizer, **dataset_options),
+                                 params=eval_params, n_samples_per_prompt=r.n_samples_per_eval_prompt))
+    sft_data = None
+    if d.sft_prompt_data and d.sft_prompt_data != d.prompt_data:
+        sft_data = DataSource(PromptDataset(d.sft_prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
+                              shuffle=True)
+    return engine, LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data)
