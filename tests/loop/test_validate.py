@@ -1,0 +1,93 @@
+"""Configuration checks that run before any model loads name the flag or file at fault."""
+
+import dataclasses
+import json
+
+import pytest
+
+from redline.config import RunConfig
+from redline.configfile import ConfigError, apply_overrides
+from redline.loop.builtin import tiny_model
+from redline.loop.validate import loss_config, validate
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    return path
+
+
+def config_with(model_dir, data_file, **overrides):
+    base = {"hf_checkpoint": str(model_dir), "prompt_data": str(data_file), "rm_type": "exact_match",
+            "rollout_batch_size": "4", "n_samples_per_prompt": "4", "global_batch_size": "16"}
+    return apply_overrides(RunConfig(), {**base, **overrides})
+
+
+def test_a_consistent_config_passes(model_dir, data_file):
+    validate(config_with(model_dir, data_file))
+
+
+def test_batch_arithmetic_names_all_four_flags(model_dir, data_file):
+    config = config_with(model_dir, data_file, global_batch_size="12")
+    with pytest.raises(ConfigError, match=r"--rollout-batch-size \(4\) × --n-samples-per-prompt \(4\) = 16.*"
+                                          r"--global-batch-size \(12\) × --num-steps-per-rollout \(1\) = 12"):
+        validate(config)
+
+
+def test_missing_model_files_are_named(tmp_path, data_file):
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ConfigError, match=r"--hf-checkpoint .*m: config.json is missing"):
+        validate(config_with(tmp_path / "m", data_file))
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no \\*.safetensors weights"):
+        validate(config_with(tmp_path / "m", data_file))
+
+
+def test_missing_data_key_names_file_and_line(model_dir, data_file):
+    with pytest.raises(ConfigError, match=rf"{data_file}:1: no key 'question' \(--input-key\)"):
+        validate(config_with(model_dir, data_file, input_key="question"))
+    with pytest.raises(ConfigError, match=r"--prompt-data /nope.jsonl: file not found"):
+        validate(config_with(model_dir, "/nope.jsonl"))
+
+
+def test_rl_without_a_reward_is_rejected(model_dir, data_file):
+    config = config_with(model_dir, data_file)
+    config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, rm_type=None))
+    with pytest.raises(ConfigError, match="RL needs a reward"):
+        validate(config)
+
+
+def test_group_estimators_need_groups(model_dir, data_file):
+    config = config_with(model_dir, data_file, n_samples_per_prompt="1", rollout_batch_size="16")
+    with pytest.raises(ConfigError, match="--n-samples-per-prompt must be >= 2"):
+        validate(config)
+
+
+def test_fp8_backend_needs_a_gpu_here(model_dir, data_file):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-machine error")
+    with pytest.raises(ConfigError, match="--backend native is FP8 and needs a CUDA GPU"):
+        validate(config_with(model_dir, data_file, backend="native"))
+
+
+def test_invalid_loss_settings_surface_at_startup(model_dir, data_file):
+    with pytest.raises(ConfigError, match="loss settings: eps_clip_high is required for estimator='cispo'"):
+        validate(config_with(model_dir, data_file, advantage_estimator="cispo"))
+
+
+def test_loss_config_mapping():
+    config = apply_overrides(RunConfig(), {"advantage_estimator": "dr_grpo", "use_kl_loss": "true",
+                                           "kl_loss_coef": "0.01", "kl_loss_type": "k3",
+                                           "rollout_max_response_len": "128"})
+    cfg = loss_config(config)
+    assert (cfg.estimator, cfg.kl_coef, cfg.kl_type) == ("ppo", 0.01, "k3")
+    assert (cfg.agg, cfg.agg_constant) == ("seq-mean-token-sum-norm", 128.0)
+    assert loss_config(apply_overrides(RunConfig(), {"kl_loss_coef": "0.5"})).kl_coef == 0.0  # needs --use-kl-loss
