@@ -214,7 +214,8 @@ class EmbeddedEngine:
             torch.tensor([p.temperature for p in params], device=self.device),
             torch.tensor([p.top_k for p in params], device=self.device),
             torch.tensor([p.top_p for p in params], device=self.device),
-            [j.generator for j in jobs], self._default_generator)
+            [j.generator for j in jobs], self._default_generator,
+            truncate=any(p.top_k > 0 or p.top_p < 1 for p in params))
         for row, job, token, lp in zip(rows, jobs, tokens.tolist(), logp.tolist()):
             job.output_ids.append(token)
             job.logp.append(lp)
@@ -257,7 +258,9 @@ class EmbeddedEngine:
             positions[r, 0] = job.length - 1
         logits = self._decode_logits(ids.to(self.device, non_blocking=True),
                                      positions.to(self.device, non_blocking=True))
-        self._sample_and_advance(rows, logits[torch.tensor(rows, device=self.device)])
+        if len(rows) < self.max_batch_size:
+            logits = logits[torch.tensor(rows, device=self.device)]
+        self._sample_and_advance(rows, logits)
 
     def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[B, V] fp32`` next-token logits for the whole batch (CUDA graph replay when enabled)."""

@@ -49,13 +49,18 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           generators: list[torch.Generator | None], default: torch.Generator | None = None):
-    """``logits [B, V] fp32``, per-row params ``[B]`` -> ``(tokens [B] int64, logp [B] fp32)`` (see module doc)."""
+           generators: list[torch.Generator | None], default: torch.Generator | None = None, truncate: bool = True):
+    """``logits [B, V] fp32``, per-row params ``[B]`` -> ``(tokens [B] int64, logp [B] fp32)`` (see module doc).
+
+    ``truncate=False`` promises that no row uses top-k / top-p and skips the vocabulary sort (the caller knows
+    the params on the host; testing the tensors here would cost a device sync per step).
+    """
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
     probs = logp_all.exp()
-    keep = truncation_mask(probs, top_k, top_p)
-    race = torch.where(keep, probs, 0.0) / exponential_noise(tuple(probs.shape), generators, probs.device, default)
+    if truncate:
+        probs = torch.where(truncation_mask(probs, top_k, top_p), probs, 0.0)
+    race = probs / exponential_noise(tuple(probs.shape), generators, probs.device, default)
     tokens = torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)

@@ -57,3 +57,10 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
     in_batch, _ = sample(logits, *params(3), [None, torch.Generator().manual_seed(9), None],
                          torch.Generator().manual_seed(0))
     assert in_batch[1] == alone[0]
+
+
+def test_untruncated_fast_path_draws_the_same_tokens():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
+    full, _ = sample(logits, *params(4), [None] * 4, torch.Generator().manual_seed(7), truncate=True)
+    fast, _ = sample(logits, *params(4), [None] * 4, torch.Generator().manual_seed(7), truncate=False)
+    assert torch.equal(full, fast)
