@@ -164,3 +164,34 @@ def dp_worker(rank, config):
 @pytest.mark.slow
 def test_data_parallel_zero1_step_matches_single_process(config_of, tmp_path):
     run_on_two_ranks(dp_worker, tmp_path, config_of("qwen3"))
+
+
+def te_tp_worker(rank, config, sequence_parallel):
+    """TE modules (no FP8, bf16) under TE's own TP/SP against the bf16 backend on one GPU."""
+    from redline.trainer.layers import layer_backend
+
+    reference = from_config(config, dtype=torch.bfloat16, device=device(), seed=0)
+    model = from_config(config, backend=layer_backend("te", recipe=None), dtype=torch.bfloat16, device=device(),
+                        seed=0, parallel=ParallelConfig(tp=2, sp=sequence_parallel))
+    input_ids, cu_seqlens = batch(config, (48, 80))
+    expected = next_token_loss(reference.logits(input_ids, cu_seqlens).float(), input_ids)
+    expected.backward()
+    loss = next_token_loss(model.logits(input_ids, cu_seqlens).float(), input_ids)
+    loss.backward()
+    finalize_grads(model, model.parallel_state)
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=1e-3)
+    exported = dict(model.export_hf())
+    for name, tensor in reference.export_hf():
+        assert torch.equal(exported[name], tensor), name
+    norm = clip_grad_norm(model, model.parallel_state, max_norm=1e9)
+    expected_norm = torch.stack([p.grad.float().norm() for p in reference.parameters()]).norm()
+    torch.testing.assert_close(norm, expected_norm, rtol=3e-2, atol=1e-3)
+
+
+@pytest.mark.multigpu
+@pytest.mark.te
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_te_tensor_parallel_matches_single_gpu_bf16(config_of, tmp_path, sequence_parallel):
+    config = config_of("qwen3")
+    config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, 32
+    run_on_two_ranks(te_tp_worker, tmp_path, config, sequence_parallel, nccl=True)

@@ -5,8 +5,9 @@ core attention ``te.DotProductAttention`` in THD layout (packed, ``padding_causa
 parameter contract of ``torch_layers`` (``norm_weight``, ``weight``, ``bias``, ``out_parts``), so HF export and
 loading work unchanged. TransformerEngine is imported only when this backend is built.
 
-Tensor parallelism through TE's own ``tp_group``/``sequence_parallel`` is not wired yet (``parallelize``
-rejects TE modules); FP8 needs the packed token count to be a multiple of 16 (of 128 for ``block``).
+Under tensor parallelism ``redline.trainer.parallel`` rebuilds these modules with TE's own ``parallel_mode``,
+``tp_group`` and ``sequence_parallel`` (``parallel`` keyword arguments below) and copies the shards in.
+FP8 needs the packed token count to be a multiple of 16 (of 128 for ``block``).
 """
 
 import functools
@@ -24,18 +25,23 @@ def _modules():
     te = require("transformer_engine.pytorch", "the 'te' layer backend")
 
     class TENormLinear(te.LayerNormLinear):
-        def __init__(self, in_features, out_parts, *, bias, eps, dtype, device):
+        def __init__(self, in_features, out_parts, *, bias, eps, dtype, device, **parallel):
             super().__init__(in_features, sum(out_parts), eps=eps, bias=bias, normalization="RMSNorm",
-                             params_dtype=dtype, device=device)
-            self.out_parts = tuple(out_parts)
+                             params_dtype=dtype, device=device, **parallel)
+            tp = parallel["tp_group"].size() if parallel.get("tp_group") is not None else 1
+            self.out_parts = tuple(p // tp for p in out_parts)
+            self.build_args = dict(in_features=in_features, out_parts=tuple(out_parts), bias=bias, eps=eps,
+                                   dtype=dtype, device=device)
 
         @property
         def norm_weight(self):
             return self.layer_norm_weight
 
     class TELinear(te.Linear):
-        def __init__(self, in_features, out_features, *, bias, dtype, device):
-            super().__init__(in_features, out_features, bias=bias, params_dtype=dtype, device=device)
+        def __init__(self, in_features, out_features, *, bias, dtype, device, **parallel):
+            super().__init__(in_features, out_features, bias=bias, params_dtype=dtype, device=device, **parallel)
+            self.build_args = dict(in_features=in_features, out_features=out_features, bias=bias, dtype=dtype,
+                                   device=device)
 
     class TEAttention(te.DotProductAttention):
         def __init__(self, num_heads, num_kv_heads, head_dim):
@@ -65,11 +71,12 @@ class TEBackend(LayerBackend):
         recipes = require("transformer_engine.common.recipe", "the 'te' layer backend")
         self.recipe = getattr(recipes, RECIPES[recipe])(**recipe_options) if recipe else None
 
-    def norm_linear(self, in_features, out_parts, *, bias, eps, dtype=None, device=None):
-        return self._norm_linear(in_features, out_parts, bias=bias, eps=eps, dtype=dtype, device=device)
+    def norm_linear(self, in_features, out_parts, *, bias, eps, dtype=None, device=None, **parallel):
+        """``parallel``: TE's ``parallel_mode``, ``tp_group``, ``sequence_parallel`` (set by parallelize)."""
+        return self._norm_linear(in_features, out_parts, bias=bias, eps=eps, dtype=dtype, device=device, **parallel)
 
-    def linear(self, in_features, out_features, *, bias, dtype=None, device=None):
-        return self._linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    def linear(self, in_features, out_features, *, bias, dtype=None, device=None, **parallel):
+        return self._linear(in_features, out_features, bias=bias, dtype=dtype, device=device, **parallel)
 
     def attention(self, num_heads, num_kv_heads, head_dim):
         return self._attention(num_heads, num_kv_heads, head_dim)

@@ -33,7 +33,7 @@ def hf_entries(model) -> Iterator[tuple[tuple[str, ...], torch.Tensor, tuple[int
         attn, mlp = layer.self_attn, layer.mlp
         yield (prefix + "input_layernorm.weight",), attn.qkv.norm_weight, (spec.hidden_size,)
         for kind in ("weight", "bias"):
-            tensor = _param(attn.qkv, kind)
+            tensor = optional_param(attn.qkv, kind)
             if tensor is not None:
                 yield tuple(f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"), tensor, qkv_parts
         if attn.q_norm is not None:
@@ -42,7 +42,7 @@ def hf_entries(model) -> Iterator[tuple[tuple[str, ...], torch.Tensor, tuple[int
         yield from _linear_entries(prefix + "self_attn.o_proj", attn.o_proj, spec.hidden_size)
         yield (prefix + "post_attention_layernorm.weight",), mlp.gate_up.norm_weight, (spec.hidden_size,)
         for kind in ("weight", "bias"):
-            tensor = _param(mlp.gate_up, kind)
+            tensor = optional_param(mlp.gate_up, kind)
             if tensor is not None:
                 yield (f"{prefix}mlp.gate_proj.{kind}", f"{prefix}mlp.up_proj.{kind}"), tensor, mlp_parts
         yield from _linear_entries(prefix + "mlp.down_proj", mlp.down, spec.hidden_size)
@@ -52,7 +52,7 @@ def hf_entries(model) -> Iterator[tuple[tuple[str, ...], torch.Tensor, tuple[int
         yield ("lm_head.weight",), model.lm_head.weight, (spec.vocab_size,)
 
 
-def _param(module, kind):
+def optional_param(module, kind):
     """``module.weight`` / ``module.bias``, None when absent (TE keeps an empty tensor for no bias)."""
     tensor = getattr(module, kind, None)
     return tensor if tensor is not None and tensor.numel() > 0 else None
@@ -60,7 +60,7 @@ def _param(module, kind):
 
 def _linear_entries(name, module, out_features):
     yield (name + ".weight",), module.weight, (out_features,)
-    bias = _param(module, "bias")
+    bias = optional_param(module, "bias")
     if bias is not None:
         yield (name + ".bias",), bias, (out_features,)
 

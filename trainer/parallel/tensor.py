@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redline.trainer.layers.torch_layers import Linear, NormLinear, RMSNorm
+from redline.trainer.models.export import optional_param
 from redline.trainer.parallel.comm import (copy_to_tp, gather_replicated, gather_tokens, reduce_from_tp,
                                            reduce_scatter_tokens)
 
@@ -116,8 +117,47 @@ class TensorParallelLogits:
         return vocab_parallel_logits(self.forward(input_ids, cu_seqlens), self.lm_head_weight(), self.tp_group)
 
 
+@torch.no_grad()
+def _te_parallel(backend, module, mode: str, group, sequence_parallel: bool) -> nn.Module:
+    """A TE module rebuilt with TE's own tensor parallelism (``mode`` column/row), holding ``module``'s shards."""
+    parallel = dict(parallel_mode=mode, tp_group=group, sequence_parallel=sequence_parallel)
+    if mode == "column":
+        new = backend.norm_linear(**module.build_args, **parallel)
+        parts = module.out_parts
+        new.norm_weight.copy_(module.norm_weight)
+        pairs = [("weight", 0, parts), ("bias", 0, parts)]
+        if sequence_parallel:
+            _mark_partial(new.norm_weight)
+    else:
+        new = backend.linear(**module.build_args, **parallel)
+        pairs = [("weight", 1, None)]
+        if optional_param(module, "bias") is not None:
+            optional_param(new, "bias").copy_(module.bias)
+            if sequence_parallel:
+                _mark_partial(optional_param(new, "bias"))
+    for kind, dim, parts in pairs:
+        old, target = optional_param(module, kind), optional_param(new, kind)
+        if old is not None:
+            shard = _shard(old, dim, group, parts)
+            target.copy_(shard)
+            target.tp_shard = shard.tp_shard
+    return new
+
+
+def _apply_te_tensor_parallel(model, layer, group, sequence_parallel: bool) -> None:
+    tp = dist.get_world_size(group)
+    attn, mlp = layer.self_attn, layer.mlp
+    attn.qkv = _te_parallel(model.backend, attn.qkv, "column", group, sequence_parallel)
+    mlp.gate_up = _te_parallel(model.backend, mlp.gate_up, "column", group, sequence_parallel)
+    attn.o_proj = _te_parallel(model.backend, attn.o_proj, "row", group, sequence_parallel)
+    mlp.down = _te_parallel(model.backend, mlp.down, "row", group, sequence_parallel)
+    spec = model.spec
+    attn.core = model.backend.attention(spec.num_heads // tp, spec.num_kv_heads // tp, spec.head_dim)
+
+
 def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> None:
-    """Shard ``model`` (a ``DecoderModel`` of the ``bf16``/``native`` backends) over ``group`` in place."""
+    """Shard a built ``DecoderModel`` over ``group`` in place (any backend: the ``te`` one is rebuilt with TE's
+    own ``tp_group``/``sequence_parallel``, the others get the parallel layers of this module)."""
     tp = dist.get_world_size(group)
     spec = model.spec
     if spec.num_kv_heads % tp or spec.vocab_size % tp:
@@ -125,6 +165,12 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
                          f"vocab_size={spec.vocab_size}")
     common = dict(tp_group=group, sequence_parallel=sequence_parallel)
     for layer in model.layers.values():
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            if norm is not None:
+                _mark_partial(norm.weight)
+        if model.backend.name == "te":
+            _apply_te_tensor_parallel(model, layer, group, sequence_parallel)
+            continue
         for column in (layer.self_attn.qkv, layer.mlp.gate_up):
             if type(column) is not NormLinear:
                 raise TypeError(f"tensor parallelism supports the bf16/native layers, got {type(column).__name__}")
@@ -139,9 +185,6 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
             _become(row, RowParallelLinear, **common)
             if sequence_parallel:
                 _mark_partial(row.bias)
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            if norm is not None:
-                _mark_partial(norm.weight)
     if model.embed_tokens is not None:
         model.embed_tokens.weight = _shard(model.embed_tokens.weight, 0, group)
         _become(model.embed_tokens, VocabParallelEmbedding,
