@@ -75,7 +75,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _scaled(grad_loss, d_hidden, d_weight):
-    return (grad_loss * d_hidden).to(d_hidden.dtype), (grad_loss * d_weight).to(d_weight.dtype)
+    # In place: the saved gradients are used once, and a copy would double the gradient memory.
+    return d_hidden.mul_(grad_loss), d_weight.mul_(grad_loss)
 
 
 def _backward(ctx, grad_loss, _grad_metrics, _grad_dh, _grad_dw):
