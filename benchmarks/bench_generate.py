@@ -16,17 +16,16 @@ pytestmark = pytest.mark.gpu
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 64, 128, 256
 GROUP = f"generate B={BATCH} prompt={PROMPT_LEN} new={NEW_TOKENS} Qwen3-0.6B shape bf16"
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                  rope_theta=1_000_000.0, tie_word_embeddings=True, eos_token_id=None, bos_token_id=None,
-                  pad_token_id=0)
+QWEN3_0_6B = {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "max_position_embeddings": 40960, "rope_theta": 1_000_000.0, "tie_word_embeddings": True,
+              "eos_token_id": None, "bos_token_id": None, "pad_token_id": 0}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from redline.rollout.model_dir import train_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = tmp_path_factory.mktemp("qwen3-0.6b-shape")
     torch.manual_seed(0)

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
-
 from redline.rollout.types import GenerateRequest, GenerateResult
 
 MEMORY_TAGS = frozenset({"weights", "kv_cache"})
@@ -37,8 +36,8 @@ class SerializedBucket:
     load_format: str = "flattened_bucket"
 
 
-WeightBucket = Union[NamedTensors, SerializedBucket]
-WeightBuckets = Union[Iterable[WeightBucket], AsyncIterable[WeightBucket]]
+WeightBucket = NamedTensors | SerializedBucket
+WeightBuckets = Iterable[WeightBucket] | AsyncIterable[WeightBucket]
 
 
 def check_tags(tags: Iterable[str]) -> frozenset[str]:

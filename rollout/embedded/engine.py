@@ -16,7 +16,6 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-
 from redline.rollout.embedded.sampling import lm_head_logits, sample
 from redline.rollout.embedded.stops import StopChecker
 from redline.rollout.embedded.weights import WeightLoader
@@ -78,9 +77,8 @@ class EmbeddedEngine:
     @classmethod
     def from_pretrained(cls, path, *, dtype=torch.bfloat16, device="cpu", backend="bf16", **kwargs):
         """Load a local HF directory with the trainer's loader and transformers' tokenizer."""
-        from transformers import AutoTokenizer
-
         from redline.trainer.models import from_pretrained
+        from transformers import AutoTokenizer
 
         model = from_pretrained(path, backend=backend, dtype=dtype, device=device)
         return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)

@@ -12,7 +12,6 @@ import threading
 from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp
-
 from redline.rollout.engine import WeightBuckets, iterate_buckets
 from redline.rollout.types import GenerateRequest, GenerateResult
 
@@ -82,7 +81,7 @@ class EmbeddedEngineProcess:
         self._process = ctx.Process(target=_serve, args=(str(model_path), engine_kwargs, self._requests,
                                                          self._replies), daemon=True, name="embedded-engine")
         self._process.start()
-        call_id, ok, error = pickle.loads(self._replies.get(timeout=start_timeout))
+        _, ok, error = pickle.loads(self._replies.get(timeout=start_timeout))
         if not ok:
             self._process.join()
             raise RuntimeError(f"the embedded engine process failed to start: {error!r}") from error

@@ -7,7 +7,6 @@ their dim-0 slice, so a sync bucket in HF names loads without any conversion on 
 from __future__ import annotations
 
 import torch
-
 from redline.trainer.models.export import hf_entries
 
 # HF checkpoints of tied models may carry lm_head.weight as a copy of the embedding; HF ignores it too.

@@ -91,8 +91,11 @@ def latex_to_sympy_source(s: str) -> str:
 def _sympy_equal(a: str, b: str) -> bool:
     """Symbolic equality of two normalised answers (runs in the worker process)."""
     from sympy import simplify
-    from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
-                                            standard_transformations)
+    from sympy.parsing.sympy_parser import (
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
 
     transformations = standard_transformations + (implicit_multiplication_application,)
     try:

@@ -60,7 +60,7 @@ class RemoteRewardModel:
                         raise RemoteRewardError(f"reward server {self.url} answered HTTP {reply.status}: "
                                                 f"{(await reply.text())[:200]}")
                     return self._parse(await reply.json(content_type=None))
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 last_error = f"{type(exc).__name__}: {exc}"
         raise RemoteRewardError(f"reward server {self.url} failed {self.retries + 1} times; last error: {last_error}")
 

@@ -13,7 +13,6 @@ import asyncio
 import json
 
 from packaging.version import Version
-
 from redline.extras import require
 from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
 
@@ -142,7 +141,7 @@ class SGLangClient:
     async def health(self) -> bool:
         try:
             status, _ = await self.request("GET", "/health", ok=(200, 503))
-        except (SGLangError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, SGLangError, OSError):
             return False
         return status == 200
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 
 import torch
-
-from redline.rollout.engine import SerializedBucket, WeightBuckets, check_tags, iterate_buckets
+from redline.rollout.engine import (
+    SerializedBucket,
+    WeightBuckets,
+    check_tags,
+    iterate_buckets,
+)
 from redline.rollout.sglang.client import SGLangClient
 from redline.rollout.sglang.payload import serialize_bucket
 from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_server

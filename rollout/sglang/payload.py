@@ -9,7 +9,6 @@ handle to the right device whatever its ``CUDA_VISIBLE_DEVICES``.
 from __future__ import annotations
 
 import torch
-
 from redline.extras import require
 from redline.rollout.engine import SerializedBucket
 

@@ -1,7 +1,6 @@
 """Fixtures shared by the rollout tests: a tokenizer trained on the spot (no download)."""
 
 import pytest
-
 from redline.rollout.model_dir import train_tokenizer
 
 

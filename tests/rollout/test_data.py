@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from redline.rollout.data import DataError, DataSource, PromptDataset
 
 
@@ -48,7 +47,7 @@ def test_chat_template_wraps_string_and_message_prompts(tmp_path, tokenizer):
 
 def test_malformed_line_raises_with_file_and_line(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "bad.jsonl", records(2) + ["{not json"] + records(1))
-    with pytest.raises(DataError, match=rf"bad\.jsonl:3: not valid JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: not valid JSON"):
         PromptDataset(path, tokenizer)
 
 

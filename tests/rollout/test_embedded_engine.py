@@ -5,12 +5,11 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from redline.rollout.embedded.engine import EmbeddedEngine, EngineMemoryReleased
 from redline.rollout.engine import Engine
 from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams
 from redline.trainer.models import from_pretrained
+from transformers import AutoModelForCausalLM
 
 PROMPTS = ["What is 2 + 3?", "Solve", "The quick brown fox jumps over", "x"]
 
@@ -65,7 +64,7 @@ def test_logp_equals_trainer_forward_at_temperature(model_dir):
     lengths = torch.tensor([len(s) for s in sequences])
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
     with torch.no_grad():
-        hidden = trainer(torch.tensor(sum(sequences, [])), cu_seqlens)
+        hidden = trainer(torch.tensor([t for s in sequences for t in s]), cu_seqlens)
         logp_all = torch.log_softmax(hidden @ trainer.lm_head_weight().t() / 0.7, dim=-1)
     for i, (req, res) in enumerate(zip(reqs, results)):
         start = int(cu_seqlens[i]) + len(req.input_ids) - 1  # the position that predicts the first output
@@ -144,8 +143,8 @@ def test_more_requests_than_rows_all_complete_like_alone(model_dir):
     prompts = PROMPTS * 3  # 12 requests through 2 rows
     batched = run(make_engine(model_dir, max_batch_size=2), lambda e: e.generate(requests(e.tokenizer, params,
                                                                                           prompts)))
-    alone = [run(make_engine(model_dir, max_batch_size=1), lambda e: e.generate(requests(e.tokenizer, params, [p])))[0]
-             for p in PROMPTS]
+    alone = [run(make_engine(model_dir, max_batch_size=1),
+                 lambda e, p=p: e.generate(requests(e.tokenizer, params, [p])))[0] for p in PROMPTS]
     assert [r.output_ids for r in batched] == [a.output_ids for a in alone] * 3
 
 

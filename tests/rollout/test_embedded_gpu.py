@@ -5,7 +5,6 @@ import asyncio
 
 import pytest
 import torch
-
 from redline.rollout.embedded.engine import EmbeddedEngine
 from redline.rollout.types import GenerateRequest, SamplingParams
 from redline.trainer.models import from_pretrained

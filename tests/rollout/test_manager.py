@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-
 from redline.rollout.data import DataSource, PromptDataset
 from redline.rollout.embedded.engine import EmbeddedEngine
 from redline.rollout.evaluation import EvalSet, evaluate, pass_at_k

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the remote reward model needs aiohttp")
 
-from redline.rollout.rewards.remote import RemoteRewardError, RemoteRewardModel  # noqa: E402
+from redline.rollout.rewards.remote import RemoteRewardError, RemoteRewardModel
 
 
 class RewardServer:
@@ -116,6 +116,6 @@ def test_concurrency_limit_caps_requests_in_flight():
 
 
 def test_non_numeric_answer_raises():
-    with RewardServer(body={"score": "high"}) as server:
-        with pytest.raises(RemoteRewardError, match="expected a number or an object with a numeric 'reward'"):
-            asyncio.run(score_all(RemoteRewardModel(server.url), ["a"]))
+    with RewardServer(body={"score": "high"}) as server, \
+            pytest.raises(RemoteRewardError, match="expected a number or an object with a numeric 'reward'"):
+        asyncio.run(score_all(RemoteRewardModel(server.url), ["a"]))

@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import pytest
-
 from redline.rollout.rewards import build_reward
 from redline.rollout.rewards.math_answer import MathGrader, extract_answer, last_boxed
 from redline.rollout.rewards.text import exact_match, f1_score

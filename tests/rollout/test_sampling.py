@@ -1,7 +1,6 @@
 """Sampling: greedy, temperature-scaled log-probs, top-k / top-p truncation, seeded reproducibility."""
 
 import torch
-
 from redline.rollout.embedded.sampling import sample, truncation_mask
 
 

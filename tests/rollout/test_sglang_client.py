@@ -7,14 +7,14 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
 
-from redline.rollout import sglang as _sglang_pkg  # noqa: E402,F401 - the package imports without SGLang
-from redline.rollout.engine import SerializedBucket  # noqa: E402
-from redline.rollout.sglang import client as client_module  # noqa: E402
-from redline.rollout.sglang.engine import SGLangEngine  # noqa: E402
-from redline.rollout.sglang.server import passthrough_args  # noqa: E402
-from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams  # noqa: E402
+from redline.rollout import sglang as _sglang_pkg  # noqa: F401 - the package imports without SGLang
+from redline.rollout.engine import SerializedBucket
+from redline.rollout.sglang import client as client_module
+from redline.rollout.sglang.engine import SGLangEngine
+from redline.rollout.sglang.server import passthrough_args
+from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams
 
-from .fake_sglang import FakeSGLang  # noqa: E402
+from .fake_sglang import FakeSGLang
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +65,7 @@ def test_update_weights_follows_the_servers_contract(version, session):
     expected = (["/begin_weight_update"] + updates + ["/end_weight_update"] if session else updates) + tail
     assert server.paths()[:len(expected)] == expected
     assert res.weight_version == "7"
-    sent = [b for p, b in server.calls if p == "/update_weights_from_tensor"][0]
+    sent = next(b for p, b in server.calls if p == "/update_weights_from_tensor")
     assert sent["serialized_named_tensors"] == ["payload"] and sent["load_format"] == "flattened_bucket"
 
 

@@ -9,7 +9,6 @@ import asyncio
 
 import pytest
 import torch
-
 from redline.rollout.model_dir import make_model_dir
 from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams
 
