@@ -108,15 +108,17 @@ class SGLangClient:
         if await self.server_version() >= SESSION_API_VERSION:
             await self._check("/begin_weight_update", {})
 
-    async def end_weight_update(self, version: str) -> None:
+    async def end_weight_update(self) -> None:
         if await self.server_version() >= SESSION_API_VERSION:
             await self._check("/end_weight_update", {})
         await self.flush_cache()
-        await self._check("/update_weight_version", {"new_version": version, "abort_all_requests": False})
 
-    async def update_weights_from_tensor(self, per_rank: tuple[str, ...], load_format: str) -> None:
+    async def update_weights_from_tensor(self, per_rank: tuple[str, ...], load_format: str, version: str) -> None:
+        """Load one bucket; every bucket carries the new ``weight_version`` (what slime does), so the server
+        reports it from the first updated tensor on, without a separate version call."""
         await self._check("/update_weights_from_tensor", {
-            "serialized_named_tensors": list(per_rank), "load_format": load_format, "flush_cache": False})
+            "serialized_named_tensors": list(per_rank), "load_format": load_format, "flush_cache": False,
+            "weight_version": version})
 
     async def flush_cache(self) -> None:
         for _ in range(FLUSH_RETRIES):

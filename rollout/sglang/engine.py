@@ -96,10 +96,10 @@ class SGLangEngine:
             if len(bucket.per_rank) != self.tp_size:
                 raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
                                  f"tp_size={self.tp_size}")
-            await self._all("update_weights_from_tensor", bucket.per_rank, bucket.load_format)
+            await self._all("update_weights_from_tensor", bucket.per_rank, bucket.load_format, str(version))
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
-        await self._all("end_weight_update", str(version))
+        await self._all("end_weight_update")
         self.weight_version = str(version)
 
     async def release_memory(self, tags) -> None:

@@ -73,15 +73,13 @@ class FakeSGLang:
             if self.new_contract and not self.session_open:
                 return 400, {"success": False, "message": "must run between begin_weight_update() and "
                                                           "end_weight_update()"}
+            self.weight_version = body.get("weight_version") or self.weight_version
             return 200, {"success": True, "message": "Success"}
         if path == "/flush_cache":
             if self.busy_flushes:
                 self.busy_flushes -= 1
                 return 400, "requests running"
             return 200, "Cache flushed"
-        if path == "/update_weight_version":
-            self.weight_version = body["new_version"]
-            return 200, {"success": True, "message": "", "new_version": body["new_version"]}
         if path in ("/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
                     "/continue_generation"):
             return 200, None

@@ -61,19 +61,20 @@ def test_update_weights_follows_the_servers_contract(version, session):
             return await e.generate([GenerateRequest([1], SamplingParams(max_new_tokens=1))])
         [res] = run(engine, update_then_generate)
     updates = ["/update_weights_from_tensor"] * 2
-    tail = ["/flush_cache", "/flush_cache", "/update_weight_version"]  # the first flush is refused as busy
+    tail = ["/flush_cache", "/flush_cache"]  # the first flush is refused as busy, then retried
     expected = (["/begin_weight_update"] + updates + ["/end_weight_update"] if session else updates) + tail
     assert server.paths()[:len(expected)] == expected
     assert res.weight_version == "7"
     sent = next(b for p, b in server.calls if p == "/update_weights_from_tensor")
     assert sent["serialized_named_tensors"] == ["payload"] and sent["load_format"] == "flattened_bucket"
+    assert sent["weight_version"] == "7"
 
 
 def test_refused_update_raises_with_the_servers_message():
     with FakeSGLang(version="0.5.23") as server:
         engine = SGLangEngine([server.url])
         with pytest.raises(client_module.SGLangError, match="must run between begin_weight_update"):
-            run(engine, lambda e: e.workers[0].update_weights_from_tensor(("p",), "flattened_bucket"))
+            run(engine, lambda e: e.workers[0].update_weights_from_tensor(("p",), "flattened_bucket", "1"))
 
 
 def test_bucket_must_carry_one_payload_per_tp_rank():
