@@ -6,7 +6,10 @@ Importing this package needs only torch; Triton is imported when a CUDA tensor (
 
 from .linear_logprobs import fused_linear_logprobs
 from .linear_policy_loss import fused_linear_policy_loss
+from .hf import causal_lm_logprobs
 from .loss_config import LossConfig
+from .modules import FusedLinearLogprobs, FusedLinearPolicyLoss
 from .policy_loss import policy_loss
 
-__all__ = ["fused_linear_logprobs", "fused_linear_policy_loss", "LossConfig", "policy_loss"]
+__all__ = ["fused_linear_logprobs", "fused_linear_policy_loss", "LossConfig", "policy_loss", "FusedLinearLogprobs",
+           "FusedLinearPolicyLoss", "causal_lm_logprobs"]
