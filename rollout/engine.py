@@ -84,10 +84,11 @@ class Engine(Protocol):
         """Drop cached prefixes (stale after a weight update)."""
 
     async def pause(self) -> None:
-        """Stop admitting work and abort running requests (they return with FinishReason.ABORT)."""
+        """Abort running and queued requests; until ``resume``, new requests return at once. All of them
+        finish with FinishReason.ABORT, carrying whatever tokens they had produced."""
 
     async def resume(self) -> None:
-        """Admit work again after ``pause``."""
+        """Serve requests again after ``pause``."""
 
     async def health(self) -> bool:
         """True when the engine answers and can generate."""

@@ -147,5 +147,6 @@ class Sample:
     def add_generation(self, result: GenerateResult) -> None:
         """Record one engine generation: its tokens (trainable), version and the status its finish reason implies."""
         self.append_response(result.output_ids, result.logp, trainable=True)
-        self.weight_versions.append(result.weight_version)
+        if result.output_ids:
+            self.weight_versions.append(result.weight_version)
         self.status = STATUS_OF_FINISH[result.finish_reason]

@@ -88,13 +88,15 @@ class EmbeddedEngine:
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         loop = asyncio.get_running_loop()
         jobs = [self._job(i, request, loop) for i, request in enumerate(requests)]
-        finished = [j for j in jobs if j.stop.token_budget == 0]
-        for job in finished:
-            job.future.set_result(GenerateResult([], [], FinishReason.LENGTH, self.weight_version))
         with self._wake:
             if self._stopping:
                 raise RuntimeError("the embedded engine is shut down")
-            self._pending.extend(j for j in jobs if j.stop.token_budget > 0)
+            for job in jobs:
+                if self._paused or job.stop.token_budget == 0:
+                    job.future.set_result(GenerateResult([], [], FinishReason.ABORT if self._paused
+                                                         else FinishReason.LENGTH, self.weight_version))
+                else:
+                    self._pending.append(job)
             self._wake.notify()
         return list(await asyncio.gather(*(j.future for j in jobs)))
 
@@ -122,7 +124,11 @@ class EmbeddedEngine:
         """Nothing to do: the engine keeps no prefix cache across requests."""
 
     async def pause(self) -> None:
-        self._paused = True
+        with self._wake:
+            self._paused = True
+            queued, self._pending = self._pending, []
+        for job in queued:
+            self._finish(job, FinishReason.ABORT)
         await asyncio.to_thread(self._abort_running)
 
     async def resume(self) -> None:

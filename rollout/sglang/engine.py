@@ -19,7 +19,7 @@ from redline.rollout.engine import (
 from redline.rollout.sglang.client import SGLangClient
 from redline.rollout.sglang.payload import serialize_bucket
 from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_server
-from redline.rollout.types import GenerateRequest, GenerateResult
+from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
 
 SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
 
@@ -41,6 +41,7 @@ class SGLangEngine:
         self.tp_size = tp_size
         self.owned = list(owned)
         self.weight_version = weight_version
+        self._paused = False
 
     @classmethod
     def launch(cls, model_path, *, num_engines: int = 1, tp_size: int = 1, sglang_args: list[str] = (),
@@ -71,6 +72,8 @@ class SGLangEngine:
         return cls(urls, router_url=router.url if router else None, tp_size=tp_size, owned=owned)
 
     async def _generate_one(self, request: GenerateRequest) -> GenerateResult:
+        if self._paused:  # the servers abort what they hold; what arrives while paused is not sent at all
+            return GenerateResult([], [], FinishReason.ABORT, self.weight_version)
         # Picked and counted before the first await, so concurrent calls see each other's load.
         client = self.router or min(self.workers, key=lambda w: w.in_flight)
         client.in_flight += 1
@@ -116,10 +119,12 @@ class SGLangEngine:
         await self._all("flush_cache")
 
     async def pause(self) -> None:
+        self._paused = True
         await self._all("pause")
 
     async def resume(self) -> None:
         await self._all("resume")
+        self._paused = False
 
     async def health(self) -> bool:
         checks = await asyncio.gather(*(w.health() for w in self.workers))

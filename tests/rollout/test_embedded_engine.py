@@ -233,3 +233,23 @@ def _hf_named(engine):
 def test_unknown_memory_tag_rejected(model_dir):
     with pytest.raises(ValueError, match=r"unknown memory tags \['cuda_graphs'\]"):
         run(make_engine(model_dir), lambda e: e.release_memory({"cuda_graphs"}))
+
+
+def test_pause_aborts_queued_requests_and_rejects_new_ones_until_resume(model_dir):
+    async def scenario(engine):
+        ids = engine.tokenizer.encode(PROMPTS[0])
+        long = [GenerateRequest(ids, SamplingParams(max_new_tokens=10_000)) for _ in range(3)]  # 2 rows: 1 queued
+        task = asyncio.create_task(engine.generate(long))
+        while sum(job is not None for job in engine._slots) < 2:
+            await asyncio.sleep(0.01)
+        await engine.pause()
+        aborted = await task
+        [while_paused] = await engine.generate([GenerateRequest(ids, SamplingParams(max_new_tokens=3))])
+        await engine.resume()
+        [after] = await engine.generate([GenerateRequest(ids, SamplingParams(max_new_tokens=3))])
+        return aborted, while_paused, after
+    aborted, while_paused, after = run(make_engine(model_dir, max_batch_size=2, max_seq_len=20_000), scenario)
+    assert [r.finish_reason for r in aborted] == [FinishReason.ABORT] * 3
+    assert [len(r.output_ids) > 0 for r in aborted] == [True, True, False]  # the queued one never ran
+    assert while_paused.finish_reason == FinishReason.ABORT and while_paused.output_ids == []
+    assert len(after.output_ids) == 3

@@ -126,3 +126,15 @@ def test_passthrough_strips_prefix_and_rejects_owned_flags():
         ["--mem-fraction-static", "0.5", "--disable-cuda-graph"]
     with pytest.raises(ValueError, match="'--port' is set by redline"):
         passthrough_args(["--sglang-port", "30000"])
+
+
+def test_requests_while_paused_return_aborted_without_reaching_the_server():
+    with FakeSGLang() as server:
+        async def paused_generate(e):
+            await e.pause()
+            [res] = await e.generate([GenerateRequest([1, 2], SamplingParams(max_new_tokens=2))])
+            await e.resume()
+            return res
+        res = run(SGLangEngine([server.url]), paused_generate)
+    assert res.finish_reason == FinishReason.ABORT and res.output_ids == []
+    assert "/generate" not in server.paths()
