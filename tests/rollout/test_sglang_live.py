@@ -22,8 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 @pytest.fixture(scope="module")
 def live_model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("live-qwen3"), hidden_size=256, intermediate_size=512,
-                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, initializer_range=0.3,
-                          dtype=torch.bfloat16)
+                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def test_generate_returns_tokens_and_logprobs_matching_the_trainer(engine, loop,
         -1, torch.tensor(res.output_ids, device="cuda")[:, None])[:, 0]
     gap = (expected.cpu() - torch.tensor(res.logp)).abs()
     print(f"sglang vs trainer logp gap: max {gap.max():.4f} mean {gap.mean():.4f}")
-    assert gap.mean() < 0.05
+    assert gap.mean() < 0.05  # bf16, two different kernel stacks; the printed numbers are the measurement
 
 
 def test_weight_update_changes_output_and_restoring_brings_it_back(engine, loop, live_model_dir):
