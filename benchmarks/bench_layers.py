@@ -164,3 +164,87 @@ def test_layer_stack_fwd_bwd(benchmark, peaks, backend_name, shape, layers):
           f"{tflops:6.0f} TFLOP/s ({info['of_bf16_peak']:.0%} bf16 peak, {info['of_fp8_peak']:.0%} fp8 peak)  "
           f"mem {peak_gib:.1f} GiB" + (f"  casts {info['fp8_cast_ms_per_step']:.2f} ms" if "fp8_cast_ms_per_step"
                                      in info else ""))
+
+
+# ---- Multi-GPU scaling (run under torchrun, not pytest) -------------------------------------------------------
+#   torchrun --nproc-per-node 2 benchmarks/bench_layers.py --tp 2 --sp --out $OUT/tp2.json
+#   torchrun --nproc-per-node 4 benchmarks/bench_layers.py --tp 4 --sp --out $OUT/tp4.json
+#   torchrun --nproc-per-node 2 benchmarks/bench_layers.py --pp 2 --out $OUT/pp2.json
+# Each rank first times the unsharded 4-layer stack alone on its GPU (t1), then the parallel run on the same
+# 16k tokens (tn); scaling efficiency = t1 / (n * tn). PP runs 8 micro-batches of 2k tokens through 1F1B.
+
+
+def scaling_main(argv=None):
+    import argparse
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from redline.trainer.parallel import ParallelConfig, finalize_grads, one_f_one_b
+
+    parser = argparse.ArgumentParser(description="TP/SP/PP scaling of the 4-layer stack")
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    parser.add_argument("--backend", choices=list(BACKENDS), default="bf16")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8, help="pipeline micro-batches (PP only)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    kind, options = BACKENDS[args.backend]
+    config = SHAPES[args.shape](args.layers)
+    lengths = [TOKENS // SEQUENCES] * SEQUENCES
+    if args.pp > 1:
+        lengths = [TOKENS // args.micro_batches] * args.micro_batches
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    torch.manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (TOKENS,), device="cuda")
+    micro = [(input_ids[int(cu[i]):int(cu[i + 1])], torch.tensor([0, lengths[i]], dtype=torch.int32, device="cuda"))
+             for i in range(len(lengths))] if args.pp > 1 else [(input_ids, cu)]
+
+    def build(parallel=None):
+        return from_config(config, backend=layer_backend(kind, **options), dtype=torch.bfloat16, device="cuda",
+                           seed=0, parallel=parallel)
+
+    def loss_of(hidden):
+        return hidden.float().square().mean()
+
+    single = build()
+
+    def single_step():
+        for ids, cu_seqlens in micro:
+            loss_of(single(ids, cu_seqlens)).backward()
+    t1 = cuda_time_ms(single_step)
+    single = None  # free its memory before the parallel model is built
+    torch.cuda.empty_cache()
+
+    model = build(ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp))
+    state = model.parallel_state
+
+    def parallel_step():
+        if args.pp > 1:
+            one_f_one_b(model, micro, lambda hidden, _: loss_of(hidden), state)
+        else:
+            loss_of(model(input_ids, cu)).backward()
+        finalize_grads(model, state)
+    dist.barrier()
+    tn = cuda_time_ms(parallel_step)
+    world = dist.get_world_size()
+    result = {"shape": args.shape, "backend": args.backend, "tp": args.tp, "pp": args.pp, "sp": args.sp,
+              "layers": args.layers, "tokens": TOKENS, "gpus": world, "single_gpu_ms": t1, "parallel_ms": tn,
+              "scaling_efficiency": t1 / (world * tn), "device": torch.cuda.get_device_name()}
+    if dist.get_rank() == 0:
+        print(json.dumps(result))
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    scaling_main()

@@ -109,7 +109,7 @@ def pp_worker(rank, config, micro_lengths):
         return next_token_loss(hidden @ stage.lm_head_weight().t(), micro_batch[0]) * scale
 
     state = stage.parallel_state
-    losses = one_f_one_b(stage, micro_batches, loss_fn, state, config.hidden_size, torch.float32)
+    losses = one_f_one_b(stage, micro_batches, loss_fn, state)
     finalize_grads(stage, state)
     if state.pp_rank == 1:
         torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)

@@ -3,7 +3,6 @@
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from redline.trainer.parallel.config import ParallelState
 
@@ -60,5 +59,8 @@ def zero1_adamw(model: nn.Module, state: ParallelState, **adamw_options) -> torc
     params = [p for p in model.parameters() if p.requires_grad]
     if state.config.dp == 1:
         return torch.optim.AdamW(params, **adamw_options)
+    # imported here: torch.distributed.optim TorchScript-compiles its functional optimizers on import
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=state.dp_group,
                                    **adamw_options)

@@ -53,16 +53,17 @@ def split_stage(model: nn.Module, state: ParallelState) -> nn.Module:
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids [T], cu_seqlens [S+1])
 
 
-def one_f_one_b(stage: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: Callable, state: ParallelState,
-                hidden_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def one_f_one_b(stage: nn.Module, micro_batches: Sequence[MicroBatch], loss_fn: Callable,
+                state: ParallelState) -> list[torch.Tensor]:
     """Run forward and backward of every micro-batch through the pipeline, 1F1B order.
 
     ``loss_fn(hidden [T, H], micro_batch) -> scalar`` runs on the last stage (scale it for the number of
     micro-batches yourself); returns its detached losses there, ``[]`` elsewhere. Gradients accumulate in
-    ``.grad``. With SP every stage boundary carries ``[T/tp, H]``.
+    ``.grad``. Stage boundaries carry ``[T, H]`` (``[T/tp, H]`` with SP) in the parameters' dtype.
     """
     first, last = state.pp_rank == 0, state.pp_rank == state.pp - 1
-    device = next(stage.parameters()).device
+    reference = next(stage.parameters())
+    hidden_size, dtype, device = stage.spec.hidden_size, reference.dtype, reference.device
     tokens_per_rank = state.tp if state.sp else 1
     pending_sends, in_flight, losses = [], deque(), []
 
