@@ -105,3 +105,16 @@ def test_same_seed_gives_the_same_weights_on_every_backend(config_of):
     plain = dict(from_config(config, dtype=torch.float32, seed=3).export_hf())
     native = dict(from_config(config, backend=NativeFP8Backend(), dtype=torch.float32, seed=3).export_hf())
     assert plain.keys() == native.keys() and all(torch.equal(plain[n], native[n]) for n in plain)
+
+
+@pytest.mark.gpu
+def test_bf16_logits_on_gpu_track_transformers(config_of, batch_of, cuda, tmp_path):
+    config = config_of("qwen3")
+    random_hf_model(config).save_pretrained(tmp_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to(cuda).eval()
+    model = from_pretrained(tmp_path, dtype=torch.bfloat16, device=cuda)
+    input_ids, cu_seqlens = (t.to(cuda) for t in batch_of(LENGTHS, config.vocab_size))
+    with torch.no_grad():
+        ours = model.logits(input_ids, cu_seqlens).float()
+    expected = hf_logits_per_sequence(hf_model, input_ids, cu_seqlens).float()
+    assert (ours - expected).abs().max() < 0.05

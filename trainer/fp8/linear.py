@@ -104,6 +104,7 @@ class NativeFP8Backend(LayerBackend):
     """
 
     name = "native"
+    token_alignment = CUDA_ALIGNMENT
 
     def __init__(self, scaling: str = "tensorwise", grad_format: str | None = None):
         formats = {"e5m2": E5M2, "e4m3": E4M3}

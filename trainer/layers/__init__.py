@@ -26,6 +26,7 @@ class LayerBackend:
     """Plain-PyTorch layers with a pluggable matrix product; the ``bf16`` backend as is."""
 
     name = "bf16"
+    token_alignment = 1  # packed token counts must be a multiple of this (FP8 GEMM / scaling-block shapes)
 
     def __init__(self, matmul: Matmul = F.linear):
         self.matmul = matmul

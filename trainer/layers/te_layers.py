@@ -17,6 +17,9 @@ from redline.trainer.layers import LayerBackend
 
 RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "block": "Float8BlockScaling",
            "mxfp8": "MXFP8BlockScaling"}
+# Token-count multiple each recipe's quantisation needs (TE assert_dim_for_fp8_exec; MXFP8 32-element blocks;
+# 128x128 / 1x128 blocks).
+TOKEN_ALIGNMENT = {None: 1, "delayed": 16, "current": 16, "block": 128, "mxfp8": 32}
 
 
 @functools.cache
@@ -70,6 +73,7 @@ class TEBackend(LayerBackend):
         self.te, self._norm_linear, self._linear, self._attention = _modules()
         recipes = require("transformer_engine.common.recipe", "the 'te' layer backend")
         self.recipe = getattr(recipes, RECIPES[recipe])(**recipe_options) if recipe else None
+        self.token_alignment = TOKEN_ALIGNMENT[recipe]
 
     def norm_linear(self, in_features, out_parts, *, bias, eps, dtype=None, device=None, **parallel):
         """``parallel``: TE's ``parallel_mode``, ``tp_group``, ``sequence_parallel`` (set by parallelize)."""
