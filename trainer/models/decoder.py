@@ -25,6 +25,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, backend: LayerBackend, dtype, device):
         super().__init__()
         self.head_dim = spec.head_dim
+        self.scale = spec.head_dim ** -0.5
         self.qkv = backend.norm_linear(spec.hidden_size, (spec.q_dim, spec.kv_dim, spec.kv_dim),
                                        bias=spec.qkv_bias, eps=spec.rms_norm_eps, dtype=dtype, device=device)
         if spec.qk_norm:
@@ -52,12 +53,8 @@ class Attention(nn.Module):
         rows = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(slots)
         k_cache[rows, :, slots] = k.to(k_cache.dtype)
         v_cache[rows, :, slots] = v.to(v_cache.dtype)
-        out = cached_attention(q, k_cache, v_cache, positions, self.core_scale)
+        out = cached_attention(q, k_cache, v_cache, positions, self.scale)
         return self.o_proj(out.flatten(-2).to(x.dtype))
-
-    @property
-    def core_scale(self) -> float:
-        return self.head_dim ** -0.5
 
 
 class MLP(nn.Module):
