@@ -14,6 +14,8 @@ OPTIONAL = {
     "sglang": ("sglang", "sglang"),
     "sglang_router": ("sglang-router", "sglang"),
     "ray": ("ray", "ray"),
+    "aiohttp": ("aiohttp", "sglang"),
+    "wandb": ("wandb", "wandb"),
     "pyarrow": ("pyarrow", "data"),
     "sympy": ("sympy", "data"),
 }
