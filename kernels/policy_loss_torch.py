@@ -41,7 +41,10 @@ def policy_loss_grads_torch(logp, old_logp, advantages, mask, *, cfg: LossConfig
     else:
         w = torch.exp(old_logp - torch.where(mask, rollout_logp, zeros))
         tis_outside = mask & ((w < cfg.tis_clip_low) | (w > cfg.tis_clip))
-        tis_weight = w.clamp(cfg.tis_clip_low, cfg.tis_clip) if cfg.tis == "truncate" else torch.where(tis_outside, 0, w)
+        if cfg.tis == "truncate":
+            tis_weight = w.clamp(cfg.tis_clip_low, cfg.tis_clip)
+        else:
+            tis_weight = torch.where(tis_outside, zeros, w)
     if cfg.estimator == "gspo":
         seq_ratio = torch.exp(per_seq(logp - old_logp) / tokens_per_seq.clamp(min=1))
         ratio = seq_ratio[seq]

@@ -43,6 +43,7 @@ def _sequence_span(cu_seqlens_ptr, seq, num_tokens, HAS_CU: tl.constexpr):
         end = seq * 0 + num_tokens
     return start, end
 
+
 @triton.jit
 def _tis_weight(old, rollout, TIS: tl.constexpr, TIS_LOW: tl.constexpr, TIS_HIGH: tl.constexpr):
     """(applied weight, outside the bounds) of w = exp(old - rollout)."""
@@ -53,6 +54,7 @@ def _tis_weight(old, rollout, TIS: tl.constexpr, TIS_LOW: tl.constexpr, TIS_HIGH
     else:
         applied = tl.where(outside, 0.0, w)
     return applied, outside
+
 
 @triton.jit
 def _sequence_stats_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, rollout_ptr, cu_seqlens_ptr, seq_stats_ptr,
@@ -93,6 +95,7 @@ def _sequence_stats_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, rollout_ptr, cu
     seen_before = tl.atomic_max(counters_ptr + 3 + seq, has_tokens)
     tl.atomic_add(counters_ptr + 1, has_tokens * (seen_before == 0).to(tl.int32))
 
+
 @triton.jit
 def _kl_and_grad(delta, KL_TYPE: tl.constexpr):
     """Sampled-token KL estimate of delta = logp - ref_logp and its derivative in delta."""
@@ -112,6 +115,7 @@ def _kl_and_grad(delta, KL_TYPE: tl.constexpr):
             dkl = tl.where((kl < -10.0) | (kl > 10.0), 0.0, dkl)
             kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
     return kl, dkl
+
 
 @triton.jit
 def _token_loss_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, rollout_ptr, entropy_ptr, cu_seqlens_ptr,
@@ -146,7 +150,7 @@ def _token_loss_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, rollout_pt
         if DUAL:
             live_neg = live_neg & (seq_ratio <= CLIP_C)
         pg_dr = -(tl.where(seq_ratio <= CLIP_HIGH, tl.sum(tl.load(stats + 2), 0), 0.0)
-                     + tl.where(live_neg, tl.sum(tl.load(stats + 3), 0), 0.0))
+                  + tl.where(live_neg, tl.sum(tl.load(stats + 3), 0), 0.0))
         # d(Σ_t pg_t)/d logp_u for each masked token u: dr/dlogp_u = r / n
         seq_dpg = pg_dr * seq_ratio / tl.maximum(n, 1.0)
     acc_loss = tl.zeros([BLOCK], tl.float32)
