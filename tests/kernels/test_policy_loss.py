@@ -233,6 +233,18 @@ def test_bad_input_raises_naming_the_argument(case):
         policy_loss(**kwargs)
 
 
+@pytest.mark.parametrize("launch", [dict(block=3), dict(split=6)])
+def test_triton_launch_shape_must_be_powers_of_two(launch):
+    with pytest.raises(ValueError, match=f"^{next(iter(launch))} must be a power of two"):
+        policy_loss_grads_triton(**make_batch(**SMALL), cfg=make_config("ppo", "k1", None, "token-mean"), **launch)
+
+
+def test_triton_path_rejects_more_tokens_than_int32_offsets_reach():
+    huge = torch.empty(2**31, device="meta")  # shape only: the check runs before any allocation
+    with pytest.raises(ValueError, match="^logp has 2147483648 tokens"):
+        policy_loss_grads_triton(huge, huge, huge, huge.bool(), cfg=LossConfig())
+
+
 # ---------------------------------------------------------------- GPU: the compiled kernel at 1M tokens
 
 def gpu_batch(num_tokens=1 << 20, num_seqs=1024, seed=0):
