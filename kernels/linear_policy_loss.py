@@ -19,14 +19,13 @@ chunk holds ~440 tokens at V=151936, and the dW read-modify-write per chunk (2.5
 cost more than the recompute it saves.
 """
 
-import dataclasses
-import json
 from typing import Optional
 
 import torch
 
 from .linear_logprobs import backward_impl, check_inputs, forward_impl
 from .loss_config import LossConfig, check_policy_loss_inputs
+from .policy_loss import CONFIG_FIELDS, _config
 from .policy_loss import _implementation as policy_loss_implementation
 from .reference import METRIC_NAMES
 
@@ -48,21 +47,17 @@ def _loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_log
     return loss, metrics, d_hidden, d_weight
 
 
-@torch._dynamo.assume_constant_result  # a frozen config: torch.compile bakes the string in, no tracing of json
-def _config_json(cfg: LossConfig) -> str:
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-
-
-# The LossConfig crosses the op boundary as one JSON string: with its twelve fields as separate optional
-# scalars the op's dispatch failed intermittently in torch's C++ dispatcher ("vector::reserve"), depending on
-# which other ops had run in the process.
 @torch.library.custom_op("redline::linear_policy_loss", mutates_args=())
 def _linear_policy_loss_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                            ref_logp: Optional[torch.Tensor], rollout_logp: Optional[torch.Tensor],
-                           cu_seqlens: Optional[torch.Tensor], temperature: float, cfg_json: str
+                           cu_seqlens: Optional[torch.Tensor], temperature: float, estimator: str, eps_clip: float,
+                           eps_clip_high: float, eps_clip_c: Optional[float], kl_type: str, kl_coef: float,
+                           entropy_coef: float, tis: Optional[str], tis_clip_low: Optional[float],
+                           tis_clip: Optional[float], agg: str, agg_constant: Optional[float]
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    cfg = LossConfig(**json.loads(cfg_json))
+    cfg = _config(estimator, eps_clip, eps_clip_high, eps_clip_c, kl_type, kl_coef, entropy_coef, tis, tis_clip_low,
+                  tis_clip, agg, agg_constant)
     return _loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_logp, rollout_logp, cu_seqlens,
                            cfg, temperature)
 
@@ -86,7 +81,7 @@ def _scaled(grad_loss, d_hidden, d_weight):
 
 def _backward(ctx, grad_loss, _grad_metrics, _grad_dh, _grad_dw):
     d_hidden, d_weight = _scaled(grad_loss, *ctx.saved_tensors)
-    return (d_hidden, d_weight) + (None,) * 9
+    return (d_hidden, d_weight) + (None,) * (len(CONFIG_FIELDS) + 8)
 
 
 _linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)
@@ -138,5 +133,6 @@ def fused_linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets
                                                rollout_logp, cu_seqlens, cfg, float(temperature), tp_group)
         return loss, dict(zip(METRIC_NAMES, metrics.unbind()))
     loss, metrics, _, _ = _linear_policy_loss_op(hidden, weight, targets, old_logp, advantages, mask, ref_logp,
-                                                 rollout_logp, cu_seqlens, float(temperature), _config_json(cfg))
+                                                 rollout_logp, cu_seqlens, float(temperature),
+                                                 *(getattr(cfg, f) for f in CONFIG_FIELDS))
     return loss, dict(zip(METRIC_NAMES, metrics.unbind()))

@@ -35,3 +35,13 @@ def test_wheel_holds_nothing_but_redline(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for sub in ["kernels", "trainer", "rollout", "sync", "loop"]:
         assert f"redline/{sub}/__init__.py" in names
+
+
+def test_bare_folder_names_resolve_to_the_redline_packages():
+    """From the repository root the folders are importable by their bare names (transformers probes for a
+    top-level ``kernels``); that must hand out the real package, not a second copy that re-registers ops."""
+    code = ("import kernels, trainer, rollout, sync, redline.kernels as k, redline.trainer as t, "
+            "redline.rollout as r, redline.sync as s; "
+            "assert (kernels, trainer, rollout, sync) == (k, t, r, s); "
+            "from transformers.utils.import_utils import is_kernels_available; assert not is_kernels_available()")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

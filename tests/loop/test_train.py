@@ -1,0 +1,106 @@
+"""`redline train` end to end on the built-in task: outputs, resume equality, NaN handling, the quickstart."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from redline.config import RunConfig
+from redline.configfile import apply_overrides, load_toml
+from redline.loop.train import run
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"
+SMALL = {"num_rollout": "4", "rollout_batch_size": "5", "n_samples_per_prompt": "4", "global_batch_size": "20",
+         "sft_steps": "3", "eval_interval": "2", "n_samples_per_eval_prompt": "1"}
+
+
+def small_config(out: Path, **overrides) -> RunConfig:
+    config = load_toml(RunConfig, QUICKSTART)
+    return apply_overrides(config, {**SMALL, "output_dir": str(out), **overrides})
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert run(small_config(out, save_interval="2", save_hf=str(out / "hf"))) == 0
+    return out
+
+
+def test_run_writes_metrics_plots_report_and_tensorboard(finished_run):
+    rows = records(finished_run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for key in ["rollout/reward_mean", "rollout/response_len_mean", "train/pg_loss", "train/kl", "train/entropy",
+                "train/clipfrac", "train/grad_norm", "train/lr", "train/rollout_logprob_abs_diff",
+                "perf/rollout_time", "perf/train_time", "perf/update_weights_time", "perf/step_time",
+                "perf/tokens_per_gpu_per_sec", "perf/train_tflops"]:
+        assert all(key in r and math.isfinite(r[key]) for r in rows[1:]), key
+    assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2]
+    for name in ["reward.png", "kl.png", "entropy.png", "phase_times.png", "report.md", "config.toml"]:
+        assert (finished_run / name).is_file(), name
+    assert any((finished_run / "tensorboard").iterdir())
+
+
+def test_one_step_per_rollout_reuses_old_logprobs_exactly(finished_run):
+    # the first (and only) optimizer step of each rollout sees the weights that produced its old log-probs
+    assert all(r["train/approx_kl"] == 0.0 for r in records(finished_run)[1:])
+
+
+def test_engine_logprobs_match_the_trainer(finished_run):
+    assert all(r["train/rollout_logprob_abs_diff"] < 1e-4 for r in records(finished_run)[1:])
+
+
+def test_hf_export_loads_in_transformers(finished_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(finished_run / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(finished_run / "hf")
+    ids = torch.tensor([tokenizer("2+2=").input_ids])
+    assert model(ids).logits.shape[-1] == model.config.vocab_size
+
+
+def test_resume_continues_the_same_trajectory(finished_run, tmp_path):
+    config = small_config(tmp_path, load=str(finished_run / "checkpoints" / "rollout_1"))
+    assert run(config) == 0
+    original = {r["step"]: r for r in records(finished_run)}
+    resumed = {r["step"]: r for r in records(tmp_path)}
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for key in ["rollout/reward_mean", "rollout/response_len_mean", "train/pg_loss", "train/entropy",
+                    "train/grad_norm"]:
+            assert resumed[step][key] == pytest.approx(original[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_nan_loss_skips_the_step_and_stops_after_max_bad_steps(tmp_path, monkeypatch):
+    from redline.loop import worker
+
+    def poisoned(self, batch, loss_cfg, *, reuse_old_logp):
+        loss, metrics = original(self, batch, loss_cfg, reuse_old_logp=reuse_old_logp)
+        return loss * float("nan"), metrics
+
+    original = worker.TrainerWorker.policy_loss
+    monkeypatch.setattr(worker.TrainerWorker, "policy_loss", poisoned)
+    with pytest.raises(FloatingPointError, match=r"--max-bad-steps 1"):
+        run(small_config(tmp_path, max_bad_steps="1", sft_steps="0", eval_interval="100"))
+    rows = records(tmp_path)
+    assert [r["train/skipped_steps"] for r in rows] == [1.0]
+
+
+def test_configuration_errors_stop_before_any_model_loads(tmp_path, capsys):
+    assert run(small_config(tmp_path, global_batch_size="7")) == 2
+    assert "--global-batch-size (7)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quickstart_learns(tmp_path):
+    """The README's main job: reward ≤ 0.3 after the SFT warm-up, ≥ 0.8 at the end (eval over every prompt)."""
+    config = apply_overrides(load_toml(RunConfig, QUICKSTART), {"output_dir": str(tmp_path)})
+    assert run(config) == 0
+    evals = [r["eval/reward_mean"] for r in records(tmp_path) if "eval/reward_mean" in r]
+    assert evals[0] <= 0.3
+    assert evals[-1] >= 0.8
