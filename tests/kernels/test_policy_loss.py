@@ -59,13 +59,45 @@ def reference(batch, cfg):
     return loss.detach(), torch.stack([metrics[name] for name in METRIC_NAMES]), dlogp, dentropy
 
 
-def assert_matches(actual, expected):
+def assert_matches(actual, expected, skip_tokens=None):
     """fp32 results against fp64: each tensor within 2e-5 of its own largest magnitude (so tiny per-token
-    gradients, ~1/T, are compared at their own scale) plus a 1e-4 relative tolerance."""
+    gradients, ~1/T, are compared at their own scale) plus a 1e-4 relative tolerance. ``skip_tokens`` [T] bool
+    leaves those tokens out of the gradient comparison."""
     for name, got, want in zip(("loss", "metrics", "dloss_dlogp", "dloss_dentropy"), actual, expected):
         assert got.dtype == torch.float32, name
         want = want.to(got.device, torch.float32)
+        if skip_tokens is not None and name == "dloss_dlogp":
+            got, want = got[~skip_tokens], want[~skip_tokens]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * max(want.abs().max().item(), 1e-6), msg=name)
+
+
+def on_a_switch(batch, cfg, rel=1e-6):
+    """[T] bool: tokens whose gradient jumps within ``rel`` of where they sit (a clip bound, icepop's bounds,
+    low_var_kl's clamp), so fp32 rounding may legitimately put them on the other side than fp64 does. At 1M
+    tokens a few hundred thousandths of a percent land there; on small batches none do."""
+    wide = {name: t.double() if t.is_floating_point() else t for name, t in batch.items()}
+    mask = wide["mask"]
+    ratio = torch.exp(wide["logp"] - wide["old_logp"])
+    if cfg.estimator == "gspo":
+        seq = torch.repeat_interleave(torch.arange(len(wide["cu_seqlens"]) - 1, device=mask.device),
+                                      torch.diff(wide["cu_seqlens"]).long(), output_size=mask.numel())
+        log_ratio = torch.where(mask, wide["logp"] - wide["old_logp"], 0)
+        count = torch.zeros(seq.max() + 1, dtype=torch.float64, device=mask.device).index_add(0, seq, mask.double())
+        ratio = torch.exp(torch.zeros_like(count).index_add(0, seq, log_ratio) / count.clamp(min=1))[seq]
+
+    def near(values, bound):
+        return ((values / bound - 1).abs() < rel) & mask
+
+    hits = near(ratio, 1 - cfg.eps_clip) | near(ratio, 1 + cfg.eps_clip_high)
+    if cfg.eps_clip_c is not None:
+        hits |= near(ratio, cfg.eps_clip_c)
+    if cfg.tis == "icepop":
+        weight = torch.exp(wide["old_logp"] - wide["rollout_logp"])
+        hits |= near(weight, cfg.tis_clip_low) | near(weight, cfg.tis_clip)
+    if cfg.kl_type == "low_var_kl":
+        delta = wide["logp"] - wide["ref_logp"]
+        hits |= near(torch.expm1(-delta) + delta, 10.0)
+    return hits
 
 
 CONFIGS = list(itertools.product(ESTIMATORS, KL_TYPES, TIS_MODES, AGG_MODES))
@@ -265,8 +297,10 @@ def big_batch():
 def test_gpu_matches_reference_at_1m_tokens(big_batch, estimator, kl_type, tis, agg):
     cfg = make_config(estimator, kl_type, tis, agg)
     loss, metrics, dlogp, dentropy = policy_loss_grads(**big_batch, cfg=cfg)
+    skip = on_a_switch(big_batch, cfg)
+    assert skip.sum().item() < 100
     assert_matches((loss, torch.stack([metrics[n] for n in METRIC_NAMES]), dlogp, dentropy),
-                   reference(big_batch, cfg))
+                   reference(big_batch, cfg), skip_tokens=skip)
 
 
 @pytest.mark.gpu
