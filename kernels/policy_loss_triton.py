@@ -273,14 +273,17 @@ def policy_loss_grads_triton(logp, old_logp, advantages, mask, *, cfg: LossConfi
     for name, value in (("block", block), ("split", split)):
         if value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
+    # the kernels index every [T] tensor with unit stride
+    logp, old_logp, advantages, mask, ref_logp, rollout_logp, entropy = (
+        t if t is None else t.contiguous() for t in (logp, old_logp, advantages, mask, ref_logp, rollout_logp, entropy))
     device = logp.device
     counters = torch.zeros(3 + num_seqs, dtype=torch.int32, device=device)
     seq_stats = torch.empty(num_seqs * split * SEQ_STATS, dtype=torch.float32, device=device)
     prog_sums = torch.empty(num_seqs * split * PROGRAM_SUMS, dtype=torch.float32, device=device)
     loss = torch.empty((), dtype=torch.float32, device=device)
     metrics = torch.empty(len(METRIC_NAMES), dtype=torch.float32, device=device)
-    dlogp = torch.empty_like(logp)
-    dentropy = torch.empty_like(logp)
+    dlogp = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    dentropy = torch.empty(num_tokens, dtype=torch.float32, device=device)
     # absent optional inputs are never read (their constexpr flag is off); any pointer does
     ref, rollout, ent = (t if t is not None else logp for t in (ref_logp, rollout_logp, entropy))
     cu = cu_seqlens if cu_seqlens is not None else counters

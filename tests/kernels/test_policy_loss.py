@@ -145,6 +145,16 @@ def test_long_single_sequence_is_spread_over_programs(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_strided_inputs_give_the_same_result_as_contiguous_ones(impl):
+    batch = make_batch(**SMALL)
+    cfg = make_config("ppo", "k3", "truncate", "seq-mean-token-mean")
+    strided = {name: torch.stack([t, t], dim=1)[:, 0] if name != "cu_seqlens" else t for name, t in batch.items()}
+    assert not strided["logp"].is_contiguous()
+    for got, want in zip(IMPLEMENTATIONS[impl](**strided, cfg=cfg), IMPLEMENTATIONS[impl](**batch, cfg=cfg)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_without_cu_seqlens_the_batch_is_one_sequence(impl):
     batch = make_batch([20], [0.3])
     cfg = make_config("gspo", "k1", None, "seq-mean-token-sum")
