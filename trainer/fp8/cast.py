@@ -9,10 +9,15 @@ round-to-nearest-even); the tests compare bytes under ``TRITON_INTERPRET=1``.
 import torch
 
 from redline.extras import require
-from redline.trainer.fp8.scaling import FLT_MAX, POW2_MASK, FP8Format, Quantized
+from redline.trainer.fp8 import scaling
+from redline.trainer.fp8.scaling import FP8Format, Quantized
 
 triton = require("triton", "native FP8 casts")
 tl = triton.language
+
+# Compiled Triton kernels read module globals only when they are constexpr (the interpreter reads any global)
+FLT_MAX = tl.constexpr(scaling.FLT_MAX)
+POW2_MASK = tl.constexpr(scaling.POW2_MASK)
 
 AMAX_BLOCK = 4096
 TILE = 64
