@@ -12,10 +12,20 @@ from redline.kernels import LossConfig, fused_linear_logprobs, fused_linear_poli
 from redline.loop.batching import MicroBatch
 from redline.loop.reference import ReferencePolicy
 from redline.loop.schedule import build_optimizer, build_scheduler
+from redline.trainer.padding import token_multiple
 
 
 def _forward_hidden(model, batch: MicroBatch) -> torch.Tensor:
-    return model(batch.input_ids, batch.cu_seqlens)
+    """``hidden [T, H]``. The stream is padded to the backend's token multiple (FP8 GEMMs need 16) by extending
+    its last sequence: causal attention keeps real tokens blind to the padding, and the padded rows are cut."""
+    tokens = batch.input_ids.shape[0]
+    pad = -tokens % token_multiple(model)
+    if pad == 0:
+        return model(batch.input_ids, batch.cu_seqlens)
+    input_ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(pad)])
+    cu_seqlens = batch.cu_seqlens.clone()
+    cu_seqlens[-1] += pad
+    return model(input_ids, cu_seqlens)[:tokens]
 
 
 class TrainerWorker:

@@ -104,3 +104,22 @@ def test_quickstart_learns(tmp_path):
     evals = [r["eval/reward_mean"] for r in records(tmp_path) if "eval/reward_mean" in r]
     assert evals[0] <= 0.3
     assert evals[-1] >= 0.8
+
+
+def test_streams_are_padded_to_the_backends_token_multiple(tmp_path):
+    """FP8 backends need token counts divisible by 16; the padding must not change any real token's output."""
+    from redline.loop.batching import pack
+    from redline.loop.builtin import tiny_model
+    from redline.loop.worker import _forward_hidden
+    from redline.rollout.types import Sample
+    from redline.trainer.models import from_pretrained
+
+    model = from_pretrained(tiny_model(tmp_path / "m"), backend="bf16", dtype=torch.float32)
+    samples = [Sample(prompt="p", tokens=[3, 4, 5, 6, 7], response_length=2, loss_mask=[1, 1]),
+               Sample(prompt="p", tokens=[8, 9, 10], response_length=1, loss_mask=[1])]
+    batch = pack(samples, [0, 1], {})
+    unpadded = model(batch.input_ids, batch.cu_seqlens)
+    model.backend.token_alignment = 16
+    padded = _forward_hidden(model, batch)
+    assert padded.shape == unpadded.shape
+    torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-6)
