@@ -150,9 +150,12 @@ def test_layer_stack_fwd_bwd(benchmark, peaks, backend_name, shape, layers):
         step()
         torch.cuda.synchronize()
 
+    benchmark.group = f"decoder {shape} x{layers} fwd+bwd, {TOKENS} tokens"
+    flops = layer_flops(spec, TOKENS, SEQUENCES, layers)
+    benchmark.extra_info.update(provider=backend_name, baseline=backend_name == "bf16", flops=flops)
     benchmark.pedantic(timed, rounds=ROUNDS, iterations=1, warmup_rounds=WARMUP)
     seconds = benchmark.stats.stats.median
-    tflops = layer_flops(spec, TOKENS, SEQUENCES, layers) / seconds / 1e12
+    tflops = flops / seconds / 1e12
     info = {"tokens_per_s": TOKENS / seconds, "model_tflops": tflops, "of_bf16_peak": tflops / peaks["bf16"],
             "of_fp8_peak": tflops / peaks["fp8"], "peak_bf16_tflops": peaks["bf16"],
             "peak_fp8_tflops": peaks["fp8"], "activation_peak_gib": peak_gib}

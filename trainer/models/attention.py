@@ -26,6 +26,12 @@ def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor
     return (seq[:, None] == seq[None, :]) & (tokens[None, :] <= tokens[:, None])
 
 
+def _batched(x: torch.Tensor) -> torch.Tensor:
+    """``[T, h, d] -> [1, h, T, d]``: SDPA's fused (flash / memory-efficient / cuDNN) kernels take 4-D inputs
+    only; 3-D inputs fall back to the fp32 math kernel (measured 5x slower for a Llama-3-8B layer, H100)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int | None, scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence: ``[T, h, d] -> [T, h, d]`` (dtype of ``q``).
@@ -42,17 +48,18 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                                            softmax_scale=scale, causal=True)
         return out[0] if isinstance(out, tuple) else out  # (out, lse) in the betas that return the LSE
     num_tokens = q.shape[0]
+    if k.shape[1] != q.shape[1]:
+        # SDPA's flash kernel takes no GQA (enable_gqa sends it to the math kernel): expand the KV heads.
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if num_tokens <= MASKED_SDPA_MAX_TOKENS:
         mask = block_causal_mask(cu_seqlens, num_tokens)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(*(_batched(t) for t in (q, k, v)), attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1)
     bounds = cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=True).transpose(0, 1))
+        qs, ks, vs = (_batched(t[start:end]) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1))
     return torch.cat(outs)
 
 
