@@ -17,36 +17,23 @@ The op is registered as ``torch.ops.redline.linear_logprobs`` (with a fake imple
 """
 
 import math
-import os
 from types import ModuleType
 from typing import Optional
 
 import torch
 
 from . import linear_logprobs_cpu
+from .backend import choose, import_triton_module
 from .vocab_stats import RowStats, all_reduce, finalize
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-BACKEND_ENV = "REDLINE_KERNELS_BACKEND"
-
-
 def _backend(device: torch.device) -> ModuleType:
-    """Triton for CUDA tensors, chunked PyTorch for CPU tensors; ``REDLINE_KERNELS_BACKEND=torch|triton``
-    overrides (``triton`` on CPU tensors runs Triton's interpreter and needs ``TRITON_INTERPRET=1``)."""
-    choice = os.environ.get(BACKEND_ENV) or ("triton" if device.type == "cuda" else "torch")
-    if choice == "torch":
+    """The implementation module for tensors on ``device`` (see ``redline.kernels.backend``)."""
+    if choose(device) == "torch":
         return linear_logprobs_cpu
-    if choice != "triton":
-        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{BACKEND_ENV}=triton on {device} tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    try:
-        from . import linear_logprobs_triton
-    except ImportError as exc:
-        raise ImportError("redline.kernels needs triton for CUDA tensors: pip install 'redline[gpu]'") from exc
-    return linear_logprobs_triton
+    return import_triton_module("linear_logprobs_triton")
 
 
 def check_inputs(hidden, weight, targets, mask, temperature) -> None:

@@ -11,30 +11,19 @@ tensors runs Triton's interpreter and needs ``TRITON_INTERPRET=1``). Both are on
 
 import dataclasses
 import functools
-import os
 
 import torch
 
-from redline.extras import require
 from redline.kernels.loss_config import LossConfig, check_policy_loss_inputs
+from redline.kernels.backend import choose, import_triton_module
 from redline.kernels.policy_loss_torch import policy_loss_grads_torch
 from redline.kernels.reference import METRIC_NAMES
 
-BACKEND_ENV = "REDLINE_KERNELS_BACKEND"  # shared with redline.kernels.linear_logprobs
-
-
 def _implementation(device: torch.device):
-    choice = os.environ.get(BACKEND_ENV) or ("triton" if device.type == "cuda" else "torch")
-    if choice == "torch":
+    """The loss implementation for tensors on ``device`` (see ``redline.kernels.backend``)."""
+    if choose(device) == "torch":
         return policy_loss_grads_torch
-    if choice != "triton":
-        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{BACKEND_ENV}=triton on {device} tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
-    require("triton", "the Triton policy-loss kernel")
-    from redline.kernels.policy_loss_triton import policy_loss_grads_triton
-
-    return policy_loss_grads_triton
+    return import_triton_module("policy_loss_triton").policy_loss_grads_triton
 
 
 CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(LossConfig))

@@ -1,6 +1,4 @@
-"""Supervised fine-tuning on labelled prompts (``--sft-steps`` warm-up before RL, or ``--loss-type sft``)."""
-
-import torch
+"""Supervised fine-tuning on labelled prompts: the ``--sft-steps`` warm-up before RL, or ``--loss-type sft``."""
 
 from redline.loop.batching import aggregation_weight, pack, split_by_token_budget
 from redline.rollout.types import Sample
@@ -16,23 +14,35 @@ def labelled_sample(prompt: Sample, tokenizer) -> Sample:
     return sample
 
 
-def sft_warmup(state, tokenizer) -> dict[str, float]:
-    """Run ``--sft-steps`` optimizer steps of SFT, sync the engine, evaluate; returns ``sft/*`` and ``eval/*``."""
+def sft_step(state, tokenizer) -> dict[str, float]:
+    """One optimizer step of token-mean NLL on ``--global-batch-size`` labelled prompts of the SFT data."""
     cfg = state.config
-    worker = state.worker
-    worker.begin_sft(cfg.train.sft_lr or cfg.train.lr, cfg.train.sft_steps)
-    losses = []
-    for _ in range(cfg.train.sft_steps):
-        prompts = [group[0] for group in state.rollout.sft_data.get_groups(cfg.train.global_batch_size, 1)]
-        samples = [labelled_sample(p, tokenizer) for p in prompts]
-        lengths = [len(s.tokens) for s in samples]
-        batches = [pack(samples, ids, {}) for ids in split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)]
-        units = [aggregation_weight(b, "token-mean") for b in batches]
-        result = worker.step(batches, [u / sum(units) for u in units], worker.sft_loss)
-        losses.append(result["sft_loss"])
-    worker.end_sft()
-    state.loop.run_until_complete(state.engine.update_weights([list(worker.model.export_hf())], version="sft"))
-    metrics = {"sft/loss": losses[-1] if losses else float("nan"), "sft/steps": float(len(losses))}
+    prompts = [group[0] for group in state.rollout.sft_data.get_groups(cfg.train.global_batch_size, 1)]
+    samples = [labelled_sample(p, tokenizer) for p in prompts]
+    lengths = [len(s.tokens) for s in samples]
+    batches = [pack(samples, ids, {}) for ids in split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)]
+    units = [aggregation_weight(b, "token-mean") for b in batches]
+    return state.worker.step(batches, [u / sum(units) for u in units], state.worker.sft_loss)
+
+
+def sft_warmup(state, tokenizer) -> dict[str, float]:
+    """Run ``--sft-steps`` steps with their own optimiser, sync the engine, evaluate; returns ``sft/*``, ``eval/*``."""
+    cfg = state.config
+    state.worker.begin_sft(cfg.train.sft_lr or cfg.train.lr, cfg.train.sft_steps)
+    results = [sft_step(state, tokenizer) for _ in range(cfg.train.sft_steps)]
+    state.worker.end_sft()
+    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
+                                                              version="sft"))
+    metrics = {"sft/loss": results[-1]["sft_loss"] if results else float("nan"), "sft/steps": float(len(results))}
     if state.rollout.has_eval:
         metrics.update(state.loop.run_until_complete(state.rollout.evaluate(-1)))
     return metrics
+
+
+def sft_rollout(state, tokenizer, rollout_id: int) -> dict[str, float]:
+    """``--loss-type sft``: ``--num-steps-per-rollout`` SFT steps, then sync the engine (for eval)."""
+    results = [sft_step(state, tokenizer) for _ in range(state.config.train.num_steps_per_rollout)]
+    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
+                                                              version=str(rollout_id + 1)))
+    return {"train/sft_loss": results[-1]["sft_loss"], "train/grad_norm": results[-1]["grad_norm"],
+            "train/lr": results[-1]["lr"], "train/skipped_steps": sum(r["skipped"] for r in results)}

@@ -12,7 +12,7 @@ from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.loop import checkpoint
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
-from redline.loop.sft import sft_warmup
+from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.step import RunState, rl_step
 from redline.loop.validate import loss_config, validate
 from redline.loop.worker import TrainerWorker
@@ -110,13 +110,14 @@ def run(config, config_path=None) -> int:
         console.print(f"SFT warm-up: {config.train.sft_steps} steps, loss {warm['sft/loss']:.3f}, "
                       f"eval reward {warm.get('eval/reward_mean', float('nan')):.3f}")
     began = time.perf_counter()
+    sft_only = config.algo.loss_type == "sft"
     for rollout_id in range(start, config.rollout.num_rollout):
-        step_metrics = rl_step(state, rollout_id)
+        step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
         step = rollout_id + 1
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
             step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
         metrics.log(step, step_metrics)
-        console.print(_progress_line(step, config.rollout.num_rollout, step_metrics))
+        console.print(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
         if config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0:
             checkpoint.save(out / "checkpoints", rollout_id, state.worker.model,
                             Path(config.model.hf_checkpoint), trainer_state(state))
@@ -132,7 +133,9 @@ def run(config, config_path=None) -> int:
     return 0
 
 
-def _progress_line(step: int, total: int, m: dict) -> str:
+def _progress_line(step: int, total: int, m: dict, sft_only: bool) -> str:
+    if sft_only:
+        return f"[{step}/{total}] sft loss {m['train/sft_loss']:.4f} · grad norm {m['train/grad_norm']:.3f}"
     return (f"[{step}/{total}] reward {m['rollout/reward_mean']:.3f} · len {m['rollout/response_len_mean']:.1f} · "
             f"pg {m['train/pg_loss']:+.4f} · kl {m['train/kl']:.4f} · ent {m['train/entropy']:.3f} · "
             f"rollout {m['perf/rollout_time']:.2f}s train {m['perf/train_time']:.2f}s "

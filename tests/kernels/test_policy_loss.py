@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from redline.kernels.loss_config import AGG_MODES, ESTIMATORS, KL_TYPES, TIS_MODES, LossConfig
-from redline.kernels.policy_loss import BACKEND_ENV, policy_loss, policy_loss_grads
+from redline.kernels.backend import BACKEND_ENV
+from redline.kernels.policy_loss import policy_loss, policy_loss_grads
 from redline.kernels.policy_loss_torch import policy_loss_grads_torch
 from redline.kernels.policy_loss_triton import policy_loss_grads_triton
 from redline.kernels.reference import METRIC_NAMES, policy_loss_reference

@@ -123,3 +123,10 @@ def test_streams_are_padded_to_the_backends_token_multiple(tmp_path):
     padded = _forward_hidden(model, batch)
     assert padded.shape == unpadded.shape
     torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-6)
+
+
+def test_sft_loss_type_trains_on_labels(tmp_path):
+    assert run(small_config(tmp_path, loss_type="sft", sft_steps="0", num_rollout="6", rollout_batch_size="5",
+                            n_samples_per_prompt="4", global_batch_size="20", lr="3e-3")) == 0
+    losses = [r["train/sft_loss"] for r in records(tmp_path)]
+    assert len(losses) == 6 and losses[-1] < losses[0]

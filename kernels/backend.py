@@ -1,0 +1,33 @@
+"""Which implementation a kernel call runs: Triton for CUDA tensors, PyTorch for CPU tensors.
+
+``REDLINE_KERNELS_BACKEND=torch|triton`` overrides the choice for every op; ``triton`` on CPU tensors runs
+Triton's interpreter and needs ``TRITON_INTERPRET=1``.
+"""
+
+import os
+
+import torch
+
+BACKEND_ENV = "REDLINE_KERNELS_BACKEND"
+
+
+def choose(device: torch.device) -> str:
+    """``"torch"`` or ``"triton"`` for tensors on ``device``; raises naming the variable when it is wrong."""
+    choice = os.environ.get(BACKEND_ENV) or ("triton" if device.type == "cuda" else "torch")
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"{BACKEND_ENV} must be 'torch' or 'triton', got {choice!r}")
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{BACKEND_ENV}=triton on {device} tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    return choice
+
+
+def import_triton_module(name: str):
+    """Import ``redline.kernels.<name>`` (a Triton module), or say which extra provides triton."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"redline.kernels.{name}")
+    except ImportError as exc:
+        if "triton" not in str(exc):
+            raise
+        raise ImportError("redline.kernels needs triton for CUDA tensors: pip install 'redline[gpu]'") from exc
