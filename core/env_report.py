@@ -98,7 +98,7 @@ def render(report: dict, console) -> None:
     console.print(table)
     gpu_info = report["gpus"]
     if "error" in gpu_info:
-        console.print(f"GPUs: none visible ({gpu_info['error']})")
+        console.print(f"GPUs: none visible ({gpu_info['error']})", markup=False)
     else:
         gpu_table = Table(title=f"GPUs (driver {gpu_info['driver']})")
         columns = ["index", "name", "memory_used_mib", "memory_total_mib", "sm_clock_mhz", "max_sm_clock_mhz",
