@@ -21,8 +21,8 @@ def load_runs(paths) -> list[tuple[Path, dict]]:
             data = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file}: not valid JSON ({exc})") from exc
-        if "benchmarks" not in data:
-            continue  # other JSON in the folder (e.g. env samples)
+        if not isinstance(data, dict) or not data.get("benchmarks"):
+            continue  # other JSON in the folder (env samples), or a run whose benchmarks were all deselected
         runs.append((file, data))
     if not runs:
         raise ValueError(f"no pytest-benchmark JSON found in {', '.join(map(str, paths))}")
