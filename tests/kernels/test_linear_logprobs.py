@@ -82,20 +82,26 @@ def test_all_masked_returns_zeros_and_zero_gradients(backend):
     assert torch.all(hidden.grad == 0) and torch.all(weight.grad == 0)
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-def test_gradients_match_autograd_of_reference(backend, dtype, tolerance):
-    hidden, weight, targets, mask = make_inputs(dtype=dtype, seed=2)
-    g = torch.randn(2, T, generator=torch.Generator().manual_seed(3))
+def backward_both(hidden, weight, targets, mask, g):
+    """Backward of ``g[0]·logp + g[1]·entropy`` through the op (grads land on ``hidden``/``weight``) and through
+    the fp64 reference; returns the fp64 leaves holding the reference gradients."""
     hidden.requires_grad_()
     weight.requires_grad_()
     logp, entropy = fused_linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE, mask=mask,
                                           return_entropy=True)
     (logp * g[0] + entropy * g[1]).sum().backward()
-
     hidden64 = hidden.detach().double().requires_grad_()
     weight64 = weight.detach().double().requires_grad_()
     ref_logp, ref_entropy = reference(hidden64, weight64, targets, mask)
     (ref_logp * g[0] + ref_entropy * g[1]).sum().backward()
+    return hidden64, weight64
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+def test_gradients_match_autograd_of_reference(backend, dtype, tolerance):
+    hidden, weight, targets, mask = make_inputs(dtype=dtype, seed=2)
+    g = torch.randn(2, T, generator=torch.Generator().manual_seed(3))
+    hidden64, weight64 = backward_both(hidden, weight, targets, mask, g)
     # bf16: dz is rounded to bf16 before the GEMMs and the gradients are returned in bf16 (2^-9 each)
     assert relative_error(hidden.grad, hidden64.grad) < tolerance
     assert relative_error(weight.grad, weight64.grad) < tolerance
@@ -256,15 +262,7 @@ def test_gpu_gradients_match_fp64_reference(cuda):
     hidden, weight, targets, mask = make_inputs(t=1000, h=1024, v=32003, seed=12, scale=1024 ** -0.5,
                                                 device=cuda)
     g = torch.randn(2, 1000, device=cuda)
-    hidden.requires_grad_()
-    weight.requires_grad_()
-    logp, entropy = fused_linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE, mask=mask,
-                                          return_entropy=True)
-    (logp * g[0] + entropy * g[1]).sum().backward()
-    hidden64 = hidden.detach().double().requires_grad_()
-    weight64 = weight.detach().double().requires_grad_()
-    ref_logp, ref_entropy = reference(hidden64, weight64, targets, mask)
-    (ref_logp * g[0] + ref_entropy * g[1]).sum().backward()
+    hidden64, weight64 = backward_both(hidden, weight, targets, mask, g)
     assert relative_error(hidden.grad, hidden64.grad) < 1e-2
     assert relative_error(weight.grad, weight64.grad) < 1e-2
 

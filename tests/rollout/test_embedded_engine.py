@@ -9,6 +9,7 @@ from redline.rollout.embedded.engine import EmbeddedEngine, EngineMemoryReleased
 from redline.rollout.engine import Engine
 from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams
 from redline.trainer.models import from_pretrained
+from .engine_runner import run
 from transformers import AutoModelForCausalLM
 
 PROMPTS = ["What is 2 + 3?", "Solve", "The quick brown fox jumps over", "x"]
@@ -18,15 +19,6 @@ PROMPTS = ["What is 2 + 3?", "Solve", "The quick brown fox jumps over", "x"]
 def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-
-def run(engine, coro_fn):
-    """Run ``coro_fn(engine)`` on a fresh event loop, then shut the engine down."""
-    async def main():
-        try:
-            return await coro_fn(engine)
-        finally:
-            await engine.shutdown()
-    return asyncio.run(main())
 
 
 def make_engine(model_dir, **kwargs):

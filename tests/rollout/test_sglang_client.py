@@ -1,7 +1,6 @@
 """The SGLang engine's wire protocol against a stand-in server: generation, both weight-update contracts,
 two-stage memory tags, routing, pass-through arguments."""
 
-import asyncio
 
 import pytest
 
@@ -15,6 +14,7 @@ from redline.rollout.sglang.server import passthrough_args
 from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams
 
 from .fake_sglang import FakeSGLang
+from .engine_runner import run
 
 
 @pytest.fixture(autouse=True)
@@ -23,14 +23,6 @@ def fast_flush_retry(monkeypatch):
         return None
     monkeypatch.setattr(client_module.asyncio, "sleep", no_wait)
 
-
-def run(engine, coro_fn):
-    async def main():
-        try:
-            return await coro_fn(engine)
-        finally:
-            await engine.shutdown()
-    return asyncio.run(main())
 
 
 def test_generate_sends_ids_and_parses_logprobs():
