@@ -94,6 +94,8 @@ class AlgoConfig:
     tis_mode: Literal["truncate", "icepop"] = option("truncate", "TIS: truncate or icepop")
     tis_clip_low: float = option(0.0, "TIS lower bound")
     tis_clip: float = option(2.0, "TIS upper bound")
+    value_clip: float = option(0.2, "PPO critic: clip range of the value update")
+    critic_lr: float | None = option(None, "PPO critic learning rate (default: --lr)")
     gamma: float = option(1.0, "discount (reinforce++, ppo)")
     lambd: float = option(1.0, "GAE lambda (ppo)")
 

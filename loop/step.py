@@ -25,18 +25,24 @@ class RunState:
     loss_cfg: object  # redline.kernels.LossConfig
     kl_controller: AdaptiveKLController | None
     loop: asyncio.AbstractEventLoop
+    critic: object | None = None  # CriticWorker, for advantage_estimator "ppo"
 
 
-def per_sample_logprobs(state: RunState, samples: list[Sample], *, reference: bool) -> list[torch.Tensor]:
-    """``[response_length]`` fp32 log-probs of every sample's response under the policy (or reference)."""
+def per_sample(state: RunState, samples: list[Sample], per_position) -> list[torch.Tensor]:
+    """``per_position(batch) -> [T]`` over token-budget micro-batches, cut into one ``[response_length]`` fp32
+    tensor per sample."""
     out: list[torch.Tensor] = [None] * len(samples)
     lengths = [len(s.tokens) for s in samples]
     for ids in split_by_token_budget(lengths, state.config.train.max_tokens_per_gpu):
         batch = pack(samples, ids, {})
-        logp, _ = state.worker.logprobs(batch, reference=reference)
-        for sid, values in zip(ids, batch.response_values(logp.float().cpu(), samples)):
+        for sid, values in zip(ids, batch.response_values(per_position(batch).float().cpu(), samples)):
             out[sid] = values
     return out
+
+
+def per_sample_logprobs(state: RunState, samples: list[Sample], *, reference: bool) -> list[torch.Tensor]:
+    """``[response_length]`` fp32 log-probs of every sample's response under the policy (or reference)."""
+    return per_sample(state, samples, lambda batch: state.worker.logprobs(batch, reference=reference)[0])
 
 
 def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
@@ -57,16 +63,20 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     need_ref = state.loss_cfg.kl_coef > 0 or kl_coef > 0
     old_logp = None if reuse_old else per_sample_logprobs(state, samples, reference=False)
     ref_logp = per_sample_logprobs(state, samples, reference=True) if need_ref else None
+    old_values = per_sample(state, samples, state.critic.values) if state.critic else None
     logprob_time = time.perf_counter() - t0
 
     # 3. advantages (KL in the reward when --kl-coef > 0)
     cu_resp = torch.tensor([0] + [s.response_length for s in samples]).cumsum(0)
     kl = kl_estimate(torch.cat(old_logp) - torch.cat(ref_logp), algo.kl_loss_type) if kl_coef else None
-    advantages, _ = compute_advantages(
+    advantages, returns = compute_advantages(
         algo.advantage_estimator, rewards, torch.tensor([s.group_index for s in samples]), cu_resp, loss_masks,
         kl=kl, kl_coef=kl_coef, normalize_by_std=algo.normalize_advantages_by_std, gamma=algo.gamma,
-        lambd=algo.lambd)
-    per_token = {"advantages": list(advantages.split(cu_resp.diff().tolist())), "rollout_logp": rollout_logp}
+        lambd=algo.lambd, values=torch.cat(old_values) if old_values else None)
+    split = cu_resp.diff().tolist()
+    per_token = {"advantages": list(advantages.split(split)), "rollout_logp": rollout_logp}
+    if state.critic:
+        per_token.update(old_values=old_values, returns=list(returns.split(split)))
     if old_logp is not None:
         per_token["old_logp"] = old_logp
     if ref_logp is not None and state.loss_cfg.kl_coef > 0:
@@ -89,6 +99,9 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         train_metrics.append(state.worker.step(
             batches, weights,
             lambda b: state.worker.policy_loss(b, state.loss_cfg, reuse_old_logp=reuse_old)))
+        if state.critic:
+            tokens = [aggregation_weight(b, "token-mean") for b in batches]
+            train_metrics[-1].update(state.critic.step(batches, [n / max(sum(tokens), 1) for n in tokens]))
         trained_tokens += sum(lengths)
         if state.worker.bad_steps > cfg.train.max_bad_steps:
             raise FloatingPointError(f"{state.worker.bad_steps} steps had a NaN/inf loss or gradient "
@@ -124,4 +137,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         metrics["train/rollout_logprob_abs_diff"] = mean("rollout_logprob_abs_diff")
     if state.loss_cfg.tis:
         metrics.update({"train/tis_mean": mean("tis_mean"), "train/tis_clipfrac": mean("tis_clipfrac")})
+    if state.critic:
+        metrics.update({"train/value_loss": mean("value_loss"), "train/value_clipfrac": mean("value_clipfrac"),
+                        "train/value_grad_norm": mean("value_grad_norm")})
     return metrics

@@ -12,6 +12,7 @@ from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.loop import checkpoint
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
+from redline.loop.critic import CriticWorker
 from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.step import RunState, rl_step
 from redline.loop.validate import loss_config, validate
@@ -56,13 +57,19 @@ def build(config, out: Path, console: Console) -> RunState:
                            keep_reference=loss_cfg.kl_coef > 0 or config.algo.kl_coef > 0)
     kl_controller = (AdaptiveKLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
                      if config.algo.kl_target is not None else None)
+    critic = None
+    if config.algo.advantage_estimator == "ppo":
+        critic = CriticWorker(from_pretrained(config.model.hf_checkpoint, backend=backend, dtype=dtype, device=device),
+                              config.train, total_steps=total_steps, value_clip=config.algo.value_clip,
+                              lr=config.algo.critic_lr)
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, loss_cfg=loss_cfg,
-                    kl_controller=kl_controller, loop=loop), tokenizer
+                    kl_controller=kl_controller, loop=loop, critic=critic), tokenizer
 
 
 def trainer_state(state: RunState) -> dict:
     return {"worker": state.worker.state_dict(), "rollout": state.rollout.state_dict(),
-            "kl_controller": state.kl_controller.state_dict() if state.kl_controller else None}
+            "kl_controller": state.kl_controller.state_dict() if state.kl_controller else None,
+            "critic": state.critic.state_dict() if state.critic else None}
 
 
 def restore(state: RunState, folder: Path) -> int:
@@ -75,6 +82,8 @@ def restore(state: RunState, folder: Path) -> int:
     state.rollout.load_state_dict(saved["rollout"])
     if state.kl_controller and saved["kl_controller"]:
         state.kl_controller.load_state_dict(saved["kl_controller"])
+    if state.critic and saved.get("critic"):
+        state.critic.load_state_dict(saved["critic"])
     checkpoint.set_rng_state(saved["rng"])
     state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
                                                               version=str(saved["rollout_id"] + 1)))

@@ -113,9 +113,6 @@ def validate(config) -> None:
                    "--eval-prompt-data", needs_label)
     if config.rollout.rm_type is None and config.rollout.custom_rm_path is None and config.algo.loss_type != "sft":
         raise ConfigError("RL needs a reward: set --rm-type or --custom-rm-path")
-    if config.algo.advantage_estimator == "ppo":
-        raise ConfigError("--advantage-estimator ppo needs a critic, which redline does not have yet; "
-                          "use grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), gspo or cispo")
     if config.algo.kl_target is not None and config.algo.kl_coef <= 0:
         raise ConfigError("--kl-target adapts --kl-coef, which must then be > 0")
     check_backends(config)

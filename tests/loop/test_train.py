@@ -130,3 +130,41 @@ def test_sft_loss_type_trains_on_labels(tmp_path):
                             n_samples_per_prompt="4", global_batch_size="20", lr="3e-3")) == 0
     losses = [r["train/sft_loss"] for r in records(tmp_path)]
     assert len(losses) == 6 and losses[-1] < losses[0]
+
+
+def test_ppo_trains_a_critic_and_resumes_it(tmp_path):
+    config = small_config(tmp_path / "a", advantage_estimator="ppo", n_samples_per_prompt="1",
+                          rollout_batch_size="20", global_batch_size="20", num_rollout="4", save_interval="2",
+                          gamma="1.0", lambd="0.95")
+    assert run(config) == 0
+    rows = records(tmp_path / "a")[1:]
+    assert all(math.isfinite(r["train/value_loss"]) for r in rows)
+    resumed = small_config(tmp_path / "b", advantage_estimator="ppo", n_samples_per_prompt="1",
+                           rollout_batch_size="20", global_batch_size="20", num_rollout="4", gamma="1.0",
+                           lambd="0.95", load=str(tmp_path / "a" / "checkpoints" / "rollout_1"))
+    assert run(resumed) == 0
+    original = {r["step"]: r for r in records(tmp_path / "a")}
+    for r in records(tmp_path / "b"):
+        assert r["train/value_loss"] == pytest.approx(original[r["step"]]["train/value_loss"], rel=1e-4, abs=1e-6)
+
+
+def test_critic_fits_fixed_returns(tmp_path):
+    from redline.config import TrainConfig
+    from redline.loop.batching import pack
+    from redline.loop.builtin import tiny_model
+    from redline.loop.critic import CriticWorker
+    from redline.rollout.types import Sample
+    from redline.trainer.models import from_pretrained
+
+    decoder = from_pretrained(tiny_model(tmp_path / "m"), backend="bf16", dtype=torch.float32)
+    critic = CriticWorker(decoder, TrainConfig(lr=1e-2), total_steps=30, value_clip=10.0, lr=1e-2)
+    samples = [Sample(prompt="p", tokens=[3, 4, 5, 6, 7], response_length=3, loss_mask=[1, 1, 1]),
+               Sample(prompt="p", tokens=[8, 9, 10], response_length=2, loss_mask=[1, 1])]
+    returns = [torch.tensor([1.0, 0.5, 0.25]), torch.tensor([-1.0, -0.5])]
+    zeros = [torch.zeros(3), torch.zeros(2)]
+    batch = pack(samples, [0, 1], {"returns": returns, "old_values": zeros})
+    assert torch.equal(critic.values(batch), torch.zeros(batch.num_tokens))  # zero-initialised head
+    losses = [critic.step([batch], [1.0])["value_loss"] for _ in range(30)]
+    expected_first = float(sum((r ** 2).sum() for r in returns) / 5)
+    assert losses[0] == pytest.approx(expected_first)
+    assert losses[-1] < 0.2 * losses[0]
