@@ -17,8 +17,8 @@ class ModelConfig:
         "auto", "layer backend: te (TransformerEngine FP8), native (torch._scaled_mm FP8), bf16 (no FP8); "
         "auto picks te, then native, then bf16")
     dtype: Literal["bfloat16", "float32", "float16"] = option("bfloat16", "parameter/activation dtype")
-    fp8_recipe: Literal["delayed", "current", "block", "mxfp8"] = option("current", "TE FP8 recipe")
-    attention_backend: Literal["auto", "flash", "sdpa"] = option("auto", "attention kernels (flash = flash-attn-4)")
+    fp8_recipe: Literal["delayed", "current", "block", "mxfp8"] = option("current", "TE FP8 recipe (backend te)")
+    fp8_scaling: Literal["tensorwise", "rowwise"] = option("tensorwise", "native FP8 scaling (backend native)")
     recompute: Literal["none", "selective", "full"] = option("none", "activation recompute")
 
 

@@ -36,18 +36,29 @@ def resolve_backend(config) -> str:
     return {"te": "te", "native": "native"}.get(fp8, "bf16")
 
 
+def layer_backend_for(config, name: str):
+    """The ``redline.trainer`` layer backend the model config asks for."""
+    from redline.trainer.layers import layer_backend
+
+    options = {"te": {"recipe": config.model.fp8_recipe}, "native": {"scaling": config.model.fp8_scaling}}
+    return layer_backend(name, **options.get(name, {}))
+
+
 def build(config, out: Path, console: Console) -> RunState:
     from transformers import AutoTokenizer
 
     from redline.loop.rollout_setup import build_rollout
     from redline.trainer.models import from_pretrained
+    from redline.trainer.parallel.recompute import apply_recompute
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[config.model.dtype] if device.type == "cuda" else torch.float32
+    dtype = DTYPES[config.model.dtype]
     backend = resolve_backend(config)
     console.print(f"model {config.model.hf_checkpoint} · backend {backend} · {dtype} · {device}")
     tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
-    model = from_pretrained(config.model.hf_checkpoint, backend=backend, dtype=dtype, device=device)
+    model = from_pretrained(config.model.hf_checkpoint, backend=layer_backend_for(config, backend), dtype=dtype,
+                            device=device)
+    apply_recompute(model, config.model.recompute)
     loop = asyncio.new_event_loop()
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype)
     loss_cfg = loss_config(config)
@@ -59,7 +70,10 @@ def build(config, out: Path, console: Console) -> RunState:
                      if config.algo.kl_target is not None else None)
     critic = None
     if config.algo.advantage_estimator == "ppo":
-        critic = CriticWorker(from_pretrained(config.model.hf_checkpoint, backend=backend, dtype=dtype, device=device),
+        decoder = from_pretrained(config.model.hf_checkpoint, backend=layer_backend_for(config, backend), dtype=dtype,
+                                  device=device)
+        apply_recompute(decoder, config.model.recompute)
+        critic = CriticWorker(decoder,
                               config.train, total_steps=total_steps, value_clip=config.algo.value_clip,
                               lr=config.algo.critic_lr)
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, loss_cfg=loss_cfg,

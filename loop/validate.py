@@ -99,6 +99,18 @@ def check_backends(config) -> None:
         raise ConfigError("--dtype float16 is not supported for training (use bfloat16 or float32)")
 
 
+def check_placement(config) -> None:
+    """``redline train`` runs trainer and engine colocated in one process so far."""
+    p = config.parallel
+    if p.tensor_model_parallel_size != 1 or p.pipeline_model_parallel_size != 1 or p.sequence_parallel:
+        raise ConfigError("--tensor-model-parallel-size / --pipeline-model-parallel-size / --sequence-parallel: "
+                          "`redline train` runs in one process so far; TP/SP/PP are available through "
+                          "redline.trainer.parallel under torchrun")
+    if not p.colocate:
+        raise ConfigError("--no-colocate: disaggregated placement (engines on other GPUs, NCCL sync) is not wired "
+                          "into `redline train` yet; redline.sync.broadcast provides the sync")
+
+
 def validate(config) -> None:
     """Every check that can fail before a model loads; raises ConfigError naming the flag or file."""
     check_batch_arithmetic(config)
@@ -116,6 +128,7 @@ def validate(config) -> None:
     if config.algo.kl_target is not None and config.algo.kl_coef <= 0:
         raise ConfigError("--kl-target adapts --kl-coef, which must then be > 0")
     check_backends(config)
+    check_placement(config)
     try:
         loss_config(config)
     except ValueError as exc:

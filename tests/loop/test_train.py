@@ -168,3 +168,12 @@ def test_critic_fits_fixed_returns(tmp_path):
     expected_first = float(sum((r ** 2).sum() for r in returns) / 5)
     assert losses[0] == pytest.approx(expected_first)
     assert losses[-1] < 0.2 * losses[0]
+
+
+def test_recompute_gives_the_same_run(tmp_path):
+    plain = small_config(tmp_path / "plain", num_rollout="2", sft_steps="0", eval_interval="100")
+    recomputed = small_config(tmp_path / "full", num_rollout="2", sft_steps="0", eval_interval="100",
+                              recompute="full")
+    assert run(plain) == 0 and run(recomputed) == 0
+    for a, b in zip(records(tmp_path / "plain"), records(tmp_path / "full")):
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)

@@ -91,3 +91,10 @@ def test_loss_config_mapping():
     assert (cfg.estimator, cfg.kl_coef, cfg.kl_type) == ("ppo", 0.01, "k3")
     assert (cfg.agg, cfg.agg_constant) == ("seq-mean-token-sum-norm", 128.0)
     assert loss_config(apply_overrides(RunConfig(), {"kl_loss_coef": "0.5"})).kl_coef == 0.0  # needs --use-kl-loss
+
+
+def test_placements_the_loop_cannot_run_are_rejected(model_dir, data_file):
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size"):
+        validate(config_with(model_dir, data_file, tensor_model_parallel_size="2"))
+    with pytest.raises(ConfigError, match="--no-colocate"):
+        validate(config_with(model_dir, data_file, colocate="false"))
