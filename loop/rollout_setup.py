@@ -2,7 +2,8 @@
 
 ``LoopRollout`` is what the RL step talks to: ``generate(rollout_id)`` → (flat samples, metrics) and
 ``evaluate(rollout_id)`` → metrics. Each sample's sampling seed is derived from the run seed and the sample's
-global index, so a resumed run draws exactly what the uninterrupted run would have.
+global index, so a resumed run draws exactly what the uninterrupted run would have; evaluations reuse one set
+of seeds, so successive evaluations differ only by the weights.
 """
 
 from redline.rollout.data import DataSource, PromptDataset
@@ -27,9 +28,10 @@ def seeded(generate_fn, base_seed: int):
 
 class LoopRollout:
     def __init__(self, manager: RolloutManager, engine, tokenizer, eval_sets: list[EvalSet], reward,
-                 sft_data: DataSource | None = None):
+                 sft_data: DataSource | None = None, eval_generate_fn=generate_sample):
         self.manager, self.engine, self.tokenizer = manager, engine, tokenizer
         self.eval_sets, self.reward = eval_sets, reward
+        self.eval_generate_fn = eval_generate_fn
         self.sft_data = sft_data or manager.data_source
 
     @property
@@ -43,7 +45,8 @@ class LoopRollout:
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         metrics = {}
         for eval_set in self.eval_sets:
-            metrics.update(await evaluate(self.engine, self.tokenizer, eval_set, self.reward))
+            metrics.update(await evaluate(self.engine, self.tokenizer, eval_set, self.reward,
+                                          generate_fn=self.eval_generate_fn))
         if len(self.eval_sets) == 1:  # the headline numbers without the set's name
             name = self.eval_sets[0].name
             metrics.update({k.replace(f"eval/{name}/", "eval/"): v for k, v in list(metrics.items())})
@@ -105,4 +108,6 @@ def build_rollout(config, tokenizer, *, device, dtype):
     if d.sft_prompt_data and d.sft_prompt_data != d.prompt_data:
         sft_data = DataSource(PromptDataset(d.sft_prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
                               shuffle=True)
-    return engine, LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data)
+    # every evaluation draws with the same seeds (its own, not the rollouts'): steps differ only by the weights
+    eval_generate_fn = seeded(generate_fn, config.train.seed + 1)
+    return engine, LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn)

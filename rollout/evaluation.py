@@ -38,13 +38,14 @@ async def evaluate(engine, tokenizer, eval_set: EvalSet, reward: Reward, generat
     reward = eval_set.reward or reward
     n = eval_set.n_samples_per_prompt
 
-    async def run_prompt(prompt: Sample) -> list[float]:
+    async def run_prompt(number: int, prompt: Sample) -> list[float]:
+        # index: a stable id per (prompt, draw), so a seeding generate_fn draws the same way at every evaluation
         group = [Sample(prompt=prompt.prompt, tokens=list(prompt.tokens), label=prompt.label,
-                        metadata=dict(prompt.metadata)) for _ in range(n)]
+                        metadata=dict(prompt.metadata), index=number * n + j) for j in range(n)]
         group = await asyncio.gather(*(generate_fn(engine, tokenizer, s, eval_set.params) for s in group))
         return await reward(list(group))
 
-    rewards = await asyncio.gather(*(run_prompt(p) for p in eval_set.dataset.samples))
+    rewards = await asyncio.gather(*(run_prompt(i, p) for i, p in enumerate(eval_set.dataset.samples)))
     flat = [r for group in rewards for r in group]
     metrics = {f"eval/{eval_set.name}/reward_mean": sum(flat) / len(flat)}
     k = 1
