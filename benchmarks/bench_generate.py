@@ -12,6 +12,8 @@ import asyncio
 import pytest
 import torch
 
+from redline.rollout.types import GenerateRequest, SamplingParams
+
 pytestmark = pytest.mark.gpu
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 64, 128, 256
@@ -66,23 +68,31 @@ def test_transformers_generate(gpu_bench, benchmark, model_dir, prompts):
 
 def test_embedded_engine(gpu_bench, benchmark, model_dir, prompts):
     from redline.rollout.embedded.engine import EmbeddedEngine
-    from redline.rollout.types import GenerateRequest, SamplingParams
 
     loop = asyncio.new_event_loop()
     engine = EmbeddedEngine.from_pretrained(model_dir, dtype=torch.bfloat16, device="cuda", max_batch_size=BATCH,
                                             max_seq_len=PROMPT_LEN + NEW_TOKENS, eos_token_ids=())
-    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
-    requests = [GenerateRequest(p.tolist(), params) for p in prompts]
+    requests = sampling_requests(prompts)
     try:
-        results = gpu_bench(lambda: loop.run_until_complete(engine.generate(requests)), group=GROUP,
-                            provider="redline embedded engine", rounds=3, warmup=1, batch=BATCH,
-                            prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS)
-        assert all(len(r.output_ids) == NEW_TOKENS for r in results)
-        record_throughput(benchmark)
+        results = time_generation(gpu_bench, benchmark, loop, engine, requests, "redline embedded engine")
         benchmark.extra_info.update(logp_gap_vs_trainer(engine.model, requests[:8], results[:8]))
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
+
+
+def sampling_requests(prompts) -> list:
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
+    return [GenerateRequest(p.tolist(), params) for p in prompts]
+
+
+def time_generation(gpu_bench, benchmark, loop, engine, requests, provider: str) -> list:
+    """Time ``engine.generate(requests)`` on ``loop``; every response must run the full NEW_TOKENS."""
+    results = gpu_bench(lambda: loop.run_until_complete(engine.generate(requests)), group=GROUP, provider=provider,
+                        rounds=3, warmup=1, batch=BATCH, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS)
+    assert all(len(r.output_ids) == NEW_TOKENS for r in results)
+    record_throughput(benchmark)
+    return results
 
 
 def logp_gap_vs_trainer(model, requests, results) -> dict:
@@ -103,19 +113,13 @@ def logp_gap_vs_trainer(model, requests, results) -> dict:
 @pytest.mark.sglang
 def test_sglang(gpu_bench, benchmark, model_dir, prompts, tmp_path):
     from redline.rollout.sglang.engine import SGLangEngine
-    from redline.rollout.types import GenerateRequest, SamplingParams
 
     loop = asyncio.new_event_loop()
     engine = SGLangEngine.launch(model_dir, log_dir=tmp_path, sglang_args=[
         "--skip-tokenizer-init", "--mem-fraction-static", "0.6", "--max-running-requests", str(BATCH)])
-    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
-    requests = [GenerateRequest(p.tolist(), params) for p in prompts]
+    requests = sampling_requests(prompts)
     try:
-        results = gpu_bench(lambda: loop.run_until_complete(engine.generate(requests)), group=GROUP,
-                            provider="sglang (HTTP, CUDA graphs)", rounds=3, warmup=1, batch=BATCH,
-                            prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS)
-        assert all(len(r.output_ids) == NEW_TOKENS for r in results)
-        record_throughput(benchmark)
+        time_generation(gpu_bench, benchmark, loop, engine, requests, "sglang (HTTP, CUDA graphs)")
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()

@@ -97,14 +97,7 @@ def launch_server(model_path: str | Path, *, base_gpu_id: int = 0, tp_size: int 
     if enable_memory_saver:
         cmd.append("--enable-memory-saver")
     cmd += passthrough_args(list(extra_args))
-    log = Path(log_dir) / f"sglang-{port}.log"
-    server = ManagedProcess(f"http://127.0.0.1:{port}", _spawn(cmd, log), log)
-    try:
-        wait_until_healthy(server.url, server.process, timeout, log)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return _start_healthy(cmd, port, Path(log_dir) / f"sglang-{port}.log", timeout)
 
 
 def launch_router(worker_urls: list[str], *, port: int | None = None, log_dir: str | Path = "logs",
@@ -114,11 +107,15 @@ def launch_router(worker_urls: list[str], *, port: int | None = None, log_dir: s
     port = port or free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *worker_urls, *extra_args]
-    log = Path(log_dir) / f"sglang-router-{port}.log"
-    router = ManagedProcess(f"http://127.0.0.1:{port}", _spawn(cmd, log), log)
+    return _start_healthy(cmd, port, Path(log_dir) / f"sglang-router-{port}.log", timeout)
+
+
+def _start_healthy(cmd: list[str], port: int, log: Path, timeout: float) -> ManagedProcess:
+    """Spawn ``cmd`` (logging to ``log``) and wait until it answers on ``port``; stopped again on failure."""
+    process = ManagedProcess(f"http://127.0.0.1:{port}", _spawn(cmd, log), log)
     try:
-        wait_until_healthy(router.url, router.process, timeout, log)
+        wait_until_healthy(process.url, process.process, timeout, log)
     except BaseException:
-        router.stop()
+        process.stop()
         raise
-    return router
+    return process
