@@ -81,8 +81,6 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         per_token["old_logp"] = old_logp
     if ref_logp is not None and state.loss_cfg.kl_coef > 0:
         per_token["ref_logp"] = ref_logp
-    if not state.loss_cfg.tis:
-        del per_token["rollout_logp"]  # the loss reads it only for TIS
 
     # 4. optimizer steps over global batches of packed micro-batches
     t0 = time.perf_counter()

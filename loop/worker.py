@@ -64,16 +64,17 @@ class TrainerWorker:
         values = batch.token_values
         hidden = _forward_hidden(self.model, batch)
         weight = self.model.lm_head_weight()
-        optional = dict(ref_logp=values.get("ref_logp"), rollout_logp=values.get("rollout_logp"),
+        # the engine's log-probs enter the loss only for TIS; they always feed the logprob-gap metric
+        optional = dict(ref_logp=values.get("ref_logp"),
+                        rollout_logp=values.get("rollout_logp") if loss_cfg.tis else None,
                         cu_seqlens=batch.cu_seqlens)
         if reuse_old_logp:
             logp, entropy = fused_linear_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
                                                   mask=batch.loss_mask, return_entropy=True)
             loss, metrics = policy_loss(logp, logp.detach(), values["advantages"], batch.loss_mask, cfg=loss_cfg,
                                         entropy=entropy, **optional)
-            if "rollout_logp" in values:
-                diff = (logp.detach() - values["rollout_logp"]).abs()
-                metrics["rollout_logprob_abs_diff"] = diff[batch.loss_mask].sum() / batch.loss_mask.sum().clamp(min=1)
+            diff = (logp.detach() - values["rollout_logp"]).abs()
+            metrics["rollout_logprob_abs_diff"] = diff[batch.loss_mask].sum() / batch.loss_mask.sum().clamp(min=1)
             return loss, metrics
         return fused_linear_policy_loss(hidden, weight, batch.targets, values["old_logp"], values["advantages"],
                                         batch.loss_mask, cfg=loss_cfg, temperature=self.temperature, **optional)

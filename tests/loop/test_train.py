@@ -193,3 +193,24 @@ def test_evaluations_of_the_same_weights_draw_the_same_samples(tmp_path):
     state.loop.run_until_complete(state.engine.shutdown())
     assert 0 < first["eval/reward_mean"] < 1  # random weights with stochastic draws: a mix of right and wrong
     assert first == second
+
+
+def test_logprob_gap_metric_measures_engine_vs_trainer(tmp_path):
+    """train/rollout_logprob_abs_diff is the masked mean |trainer logp − engine logp| (reused-old-logp path)."""
+    from redline.config import TrainConfig
+    from redline.kernels import LossConfig
+    from redline.loop.batching import pack
+    from redline.loop.builtin import tiny_model
+    from redline.loop.worker import TrainerWorker
+    from redline.rollout.types import Sample
+    from redline.trainer.models import from_pretrained
+
+    model = from_pretrained(tiny_model(tmp_path / "m"), backend="bf16", dtype=torch.float32)
+    worker = TrainerWorker(model, TrainConfig(), total_steps=1, temperature=1.0, keep_reference=False)
+    samples = [Sample(prompt="p", tokens=[3, 4, 5, 6], response_length=2, loss_mask=[1, 1])]
+    probe = pack(samples, [0], {})
+    logp, _ = worker.logprobs(probe)
+    engine_logp = logp[probe.loss_mask] + torch.tensor([0.1, -0.3])
+    batch = pack(samples, [0], {"advantages": [torch.ones(2)], "rollout_logp": [engine_logp]})
+    _, metrics = worker.policy_loss(batch, LossConfig(), reuse_old_logp=True)
+    assert float(metrics["rollout_logprob_abs_diff"]) == pytest.approx(0.2, abs=1e-5)
