@@ -44,7 +44,8 @@ def layer_backend_for(config, name: str):
     return layer_backend(name, **options.get(name, {}))
 
 
-def build(config, out: Path, console: Console) -> RunState:
+def build(config, console: Console):
+    """``(RunState, tokenizer)`` for a validated config."""
     from transformers import AutoTokenizer
 
     from redline.loop.rollout_setup import build_rollout
@@ -120,7 +121,7 @@ def run(config, config_path=None) -> int:
 
     metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
                          config=to_mapping(config))
-    state, tokenizer = build(config, out, console)
+    state, tokenizer = build(config, console)
     start = 0
     if config.checkpoint.load:
         folder = checkpoint.resolve(config.checkpoint.load)

@@ -188,7 +188,7 @@ def test_evaluations_of_the_same_weights_draw_the_same_samples(tmp_path):
 
     config = small_config(tmp_path, n_samples_per_eval_prompt="2")
     config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
-    state, _ = build(config, tmp_path, Console(quiet=True))
+    state, _ = build(config, Console(quiet=True))
     first, second = (state.loop.run_until_complete(state.rollout.evaluate(0)) for _ in range(2))
     state.loop.run_until_complete(state.engine.shutdown())
     assert 0 < first["eval/reward_mean"] < 1  # random weights with stochastic draws: a mix of right and wrong
