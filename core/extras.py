@@ -1,5 +1,6 @@
 """Optional dependencies: import them lazily and fail with the extra that provides them."""
 
+import functools
 import importlib
 import importlib.util
 import importlib.metadata
@@ -38,6 +39,17 @@ def require(module: str, feature: str) -> ModuleType:
 def available(module: str) -> bool:
     """True when ``module`` can be found without importing it."""
     return importlib.util.find_spec(module) is not None
+
+
+@functools.cache
+def importable(module: str) -> bool:
+    """True when ``module`` imports (found *and* loadable: a package whose own dependencies are broken, such as a
+    flash-attn-4 wheel next to a mismatched CUTLASS DSL, counts as absent). Imports it once; cached."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any failure to load means the feature is unavailable
+        return False
+    return True
 
 
 def version(module: str) -> str | None:
