@@ -1,5 +1,6 @@
 """Packed (THD) forward: sequences in one stream do not see each other."""
 
+import pytest
 import torch
 
 from redline.trainer.models import from_config
@@ -34,3 +35,33 @@ def test_long_packed_stream_takes_the_per_sequence_path_with_the_same_result(mon
     monkeypatch.setattr(attention, "MASKED_SDPA_MAX_TOKENS", 4)
     looped = varlen_causal_attention(q, k, v, cu_seqlens, None, 8 ** -0.5)
     torch.testing.assert_close(masked, looped, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", [(6, 6, 6, 6), (6, 3, 6, 0, 3, 9)], ids=["equal", "mixed-with-empty"])
+def test_per_length_attention_batches_sequences_with_the_masked_result_and_gradients(monkeypatch, lengths):
+    """Long streams run one SDPA call per distinct length (equal lengths stacked into a batch, GQA); the output
+    and gradients equal the block-diagonal-mask path's."""
+    import redline.trainer.models.attention as attention
+
+    generator = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, 4, 8, generator=generator)
+    k, v = torch.randn(2, total, 2, 8, generator=generator)
+    grad = torch.randn(total, 4, 8, generator=generator)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = varlen_causal_attention(*inputs, cu_seqlens, None, 8 ** -0.5)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in inputs]
+
+    masked = run()
+    monkeypatch.setattr(attention, "MASKED_SDPA_MAX_TOKENS", 4)
+    calls = []
+    sdpa = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    per_length = run()
+    assert len(calls) == len({n for n in lengths if n})
+    for got, want in zip(per_length, masked):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,7 +1,8 @@
-"""TP=2 (with and without SP), PP=2 and DP=2 give the single-process loss, gradients and update.
+"""TP=2 (with and without SP), PP=2 (and 3) and DP=2 give the single-process loss, gradients and update.
 
-Each test spawns two processes (gloo on CPU; the ``multigpu`` variants use NCCL on two GPUs); every rank also
-builds the unsharded model from the same seed and computes the single-process reference itself.
+Each test spawns two processes (three for the 3-stage pipeline; gloo on CPU; the ``multigpu`` variants use NCCL
+on two GPUs); every rank also builds the unsharded model from the same seed and computes the single-process
+reference itself.
 """
 
 
@@ -18,15 +19,16 @@ from redline.trainer.parallel.pipeline import stage_layers
 LENGTHS = (5, 9, 2)  # 16 tokens: divisible by tp for sequence parallelism
 
 
-def run_on_two_ranks(worker, tmp_path, *args, nccl=False):
-    mp.spawn(_bootstrap, args=(worker, str(tmp_path / "store"), nccl, args), nprocs=2, join=True)
+def run_on_ranks(worker, tmp_path, *args, nccl=False, ranks=2):
+    mp.spawn(_bootstrap, args=(worker, str(tmp_path / "store"), nccl, ranks, args), nprocs=ranks, join=True)
 
 
-def _bootstrap(rank, worker, store, nccl, args):
+def _bootstrap(rank, worker, store, nccl, ranks, args):
     if nccl:
         torch.cuda.set_device(rank)
         torch.set_default_device(f"cuda:{rank}")
-    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=ranks)
     try:
         worker(rank, *args)
     finally:
@@ -79,24 +81,25 @@ def tp_worker(rank, config, sequence_parallel):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama3-tied"])
 def test_tensor_parallel_matches_single_process(config_of, family, tmp_path):
-    run_on_two_ranks(tp_worker, tmp_path, config_of(family), False)
+    run_on_ranks(tp_worker, tmp_path, config_of(family), False)
 
 
 @pytest.mark.slow
 def test_sequence_parallel_matches_single_process(config_of, tmp_path):
-    run_on_two_ranks(tp_worker, tmp_path, config_of("qwen3"), True)
+    run_on_ranks(tp_worker, tmp_path, config_of("qwen3"), True)
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_tensor_parallel_over_nccl_matches_single_gpu(config_of, tmp_path, sequence_parallel):
-    run_on_two_ranks(tp_worker, tmp_path, config_of("qwen3"), sequence_parallel, nccl=True)
+    run_on_ranks(tp_worker, tmp_path, config_of("qwen3"), sequence_parallel, nccl=True)
 
 
 def pp_worker(rank, config, micro_lengths):
+    stages = dist.get_world_size()
     reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
     stage = from_config(config, dtype=torch.float32, device=device(), seed=0,
-                        parallel=ParallelConfig(pp=2))
+                        parallel=ParallelConfig(pp=stages))
     micro_batches = [batch(config, lengths, seed=i) for i, lengths in enumerate(micro_lengths)]
     scale = 1.0 / len(micro_batches)
     expected = []
@@ -111,11 +114,11 @@ def pp_worker(rank, config, micro_lengths):
     state = stage.parallel_state
     losses = one_f_one_b(stage, micro_batches, loss_fn, state)
     finalize_grads(stage, state)
-    if state.pp_rank == 1:
+    if state.pp_rank == stages - 1:
         torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
     else:
         assert losses == []
-    assert sorted(stage.layers, key=int) == [str(i) for i in stage_layers(config.num_hidden_layers, 2, rank)]
+    assert sorted(stage.layers, key=int) == [str(i) for i in stage_layers(config.num_hidden_layers, stages, rank)]
     reference_params = dict(reference.named_parameters())
     for name, param in stage.named_parameters():
         # the last stage's tied LM-head copy carries the embedding's gradient
@@ -131,12 +134,29 @@ def pp_worker(rank, config, micro_lengths):
 @pytest.mark.parametrize("family", ["llama3", "qwen3-tied"])
 def test_pipeline_1f1b_matches_single_process(config_of, family, tmp_path):
     # micro-batches of different token counts, as RL packing produces
-    run_on_two_ranks(pp_worker, tmp_path, config_of(family), [(5, 3), (7,), (2, 2, 4), (6,)])
+    run_on_ranks(pp_worker, tmp_path, config_of(family), [(5, 3), (7,), (2, 2, 4), (6,)])
+
+
+@pytest.mark.slow
+def test_three_stage_pipeline_matches_single_process(config_of, tmp_path):
+    # a middle stage both receives and sends in every step: checks the pairing of the batched sends/receives
+    config = config_of("llama3-tied")
+    config.num_hidden_layers = 3
+    run_on_ranks(pp_worker, tmp_path, config, [(5, 3), (7,), (2, 2, 4), (6,), (3,)], ranks=3)
 
 
 @pytest.mark.multigpu
 def test_pipeline_over_nccl_matches_single_gpu(config_of, tmp_path):
-    run_on_two_ranks(pp_worker, tmp_path, config_of("qwen3-tied"), [(5, 3), (7,), (2, 2, 4), (6,)], nccl=True)
+    run_on_ranks(pp_worker, tmp_path, config_of("qwen3-tied"), [(5, 3), (7,), (2, 2, 4), (6,)], nccl=True)
+
+
+@pytest.mark.multigpu
+def test_pipeline_over_nccl_with_messages_larger_than_nccl_buffers(config_of, tmp_path):
+    # 4 MiB is NCCL's default buffer: a lone blocking send of a bigger activation waits for its receiver, which
+    # deadlocks a schedule whose stages send before they receive; 2 x 4096 x 512 fp32 = 8 MiB per message
+    config = config_of("qwen3")
+    config.hidden_size, config.intermediate_size, config.head_dim = 512, 1024, 64
+    run_on_ranks(pp_worker, tmp_path, config, [(4096,), (1000, 3096), (4096,)], nccl=True)
 
 
 def dp_worker(rank, config):
@@ -163,7 +183,7 @@ def dp_worker(rank, config):
 
 @pytest.mark.slow
 def test_data_parallel_zero1_step_matches_single_process(config_of, tmp_path):
-    run_on_two_ranks(dp_worker, tmp_path, config_of("qwen3"))
+    run_on_ranks(dp_worker, tmp_path, config_of("qwen3"))
 
 
 def te_tp_worker(rank, config, sequence_parallel):
@@ -194,4 +214,4 @@ def te_tp_worker(rank, config, sequence_parallel):
 def test_te_tensor_parallel_matches_single_gpu_bf16(config_of, tmp_path, sequence_parallel):
     config = config_of("qwen3")
     config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, 32
-    run_on_two_ranks(te_tp_worker, tmp_path, config, sequence_parallel, nccl=True)
+    run_on_ranks(te_tp_worker, tmp_path, config, sequence_parallel, nccl=True)

@@ -6,7 +6,9 @@
 * ``"native"``: the same modules with FP8 matrix products on ``torch._scaled_mm`` (``redline.trainer.fp8``);
   options ``scaling="tensorwise" | "rowwise"``.
 * ``"te"``: TransformerEngine modules under ``te.autocast``; options ``recipe="delayed" | "current" | "block" |
-  "mxfp8"``. Imported lazily; needs the ``te`` extra and a CUDA GPU.
+  "mxfp8"`` and ``attention="auto" | "te" | "redline"`` (core attention: TE's when it runs fused/flash and
+  matches, else redline's varlen attention; see ``te_layers``). Imported lazily; needs the ``te`` extra and a
+  CUDA GPU.
 
 Built modules follow the parameter contract in ``torch_layers`` (``norm_weight``, ``weight``, ``bias``,
 ``out_parts``), which export, loading and tensor parallelism rely on.

@@ -8,15 +8,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from redline.extras import available, require
+from redline.extras import importable, require
 
-# Up to this many packed tokens one SDPA call with a block-diagonal causal mask ([T, T] bool) is cheaper than a
-# Python loop over sequences; above it the mask's T^2 memory wins over the loop's launch overhead.
+# Up to this many packed tokens one SDPA call with a block-diagonal causal mask ([T, T] bool) is cheaper than
+# one call per sequence length; above it the mask's T^2 memory and wasted FLOPs win over the launches.
 MASKED_SDPA_MAX_TOKENS = 2048
 
 
+def _flash_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
+        and importable("flash_attn.cute")
+
+
 def flash_attention_usable(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and available("flash_attn")
+    return _flash_usable(q.device, q.dtype)
+
+
+def varlen_attention_impl(device: torch.device | str, dtype: torch.dtype) -> str:
+    """Which kernel ``varlen_causal_attention`` runs for inputs on ``device`` in ``dtype`` (for logs and
+    benchmark records): ``"flash-attn-4 varlen"`` or ``"sdpa"`` (PyTorch then picks cuDNN / flash / efficient /
+    math)."""
+    return "flash-attn-4 varlen" if _flash_usable(device, dtype) else "sdpa"
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -37,7 +49,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """Causal attention within each packed sequence: ``[T, h, d] -> [T, h, d]`` (dtype of ``q``).
 
     flash-attn-4 varlen when installed and on CUDA; otherwise PyTorch SDPA, with a block-diagonal mask for small
-    ``T`` and one call per sequence for large ``T``.
+    ``T`` and one call per distinct sequence length for large ``T``.
     """
     if flash_attention_usable(q):
         flash = require("flash_attn.cute", "flash-attn-4 varlen attention")
@@ -55,12 +67,32 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         mask = block_causal_mask(cu_seqlens, num_tokens)
         out = F.scaled_dot_product_attention(*(_batched(t) for t in (q, k, v)), attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1)
-    bounds = cu_seqlens.tolist()
-    outs = []
+    return _sdpa_per_length(q, k, v, cu_seqlens.tolist(), scale)
+
+
+def _sdpa_per_length(q, k, v, bounds: list[int], scale: float) -> torch.Tensor:
+    """One causal SDPA call per distinct sequence length, the sequences of that length stacked as a batch
+    (RL and benchmark streams often hold many sequences of one length: a Python loop over sequences would pay
+    one launch chain each). Sequences that sit next to each other are viewed, not copied."""
+    starts_of: dict[int, list[int]] = {}
     for start, end in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (_batched(t[start:end]) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1))
-    return torch.cat(outs)
+        if end > start:
+            starts_of.setdefault(end - start, []).append(start)
+    pieces = {}
+    for length, starts in starts_of.items():
+        if starts == list(range(starts[0], starts[0] + length * len(starts), length)):
+            span = slice(starts[0], starts[0] + length * len(starts))
+            qs, ks, vs = (t[span].unflatten(0, (len(starts), length)) for t in (q, k, v))
+        else:
+            qs, ks, vs = (torch.stack([t[s:s + length] for s in starts]) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs)), is_causal=True,
+                                             scale=scale).transpose(1, 2)  # [n, L, h, d]
+        if len(starts_of) == 1 and len(starts) * length == q.shape[0]:
+            return out.reshape(q.shape[0], *out.shape[2:])
+        pieces.update(zip(starts, out.unbind(0)))
+    if not pieces:
+        return q.new_empty(q.shape)
+    return torch.cat([pieces[start] for start in sorted(pieces)])
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -70,8 +102,13 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Row b token j sees cache slots ``0..positions[b, j]``. Padding tokens (position -1) see slot 0 only, so
     their softmax stays finite; their output is unspecified. Shapes are static (no host sync), so one decode
-    step can be captured in a CUDA graph.
+    step can be captured in a CUDA graph. A decode step (``L == 1``) on CUDA runs
+    ``decode_attention``'s kernel; otherwise SDPA with a visibility mask.
     """
+    if q.shape[1] == 1 and q.is_cuda:
+        from redline.trainer.models.decode_attention import decode_attention
+
+        return decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], scale)[:, None]
     slots = torch.arange(k_cache.shape[2], device=positions.device)
     visible = slots[None, None, :] <= positions.clamp(min=0)[:, :, None]  # [B, L, S]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=visible[:, None],

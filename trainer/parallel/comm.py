@@ -19,7 +19,12 @@ import torch.distributed as dist
 
 
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    size = dist.get_world_size(group)
+    if dim == 0:  # straight into the output: no list of parts and no concatenation copy
+        out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
