@@ -29,7 +29,7 @@ from .vocab_stats import RowStats, all_reduce, finalize
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _backend(device: torch.device) -> ModuleType:
+def backend_for(device: torch.device) -> ModuleType:
     """The implementation module for tensors on ``device`` (see ``redline.kernels.backend``)."""
     if choose(device) == "torch":
         return linear_logprobs_cpu
@@ -56,25 +56,28 @@ def check_inputs(hidden, weight, targets, mask, temperature) -> None:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
-def _selected_rows(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def selected_rows(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     # One device→host sync (the count of valid rows) buys skipping every masked row's GEMM work.
     return None if mask is None else mask.nonzero().squeeze(1)
 
 
-def _scatter(values: torch.Tensor, rows: Optional[torch.Tensor], n: int) -> torch.Tensor:
+def scatter_rows(values: torch.Tensor, rows: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """``[n]`` with ``values`` at ``rows`` and 0 elsewhere (``rows`` None: values as they are)."""
     if rows is None:
         return values
     return values.new_zeros(n).index_copy_(0, rows, values)
 
 
-def _gather(values: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def gather_rows(values: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``values[rows]`` as contiguous fp32 (None stays None; ``rows`` None: all rows)."""
     if values is None:
         return None
     values = values.float().contiguous()
     return values if rows is None else values.index_select(0, rows)
 
 
-def _vocab_offset(weight: torch.Tensor, group) -> int:
+def vocab_offset(weight: torch.Tensor, group) -> int:
+    """The global id of this rank's first vocabulary row (0 without tensor parallelism)."""
     if group is None:
         return 0
     import torch.distributed as dist
@@ -82,25 +85,30 @@ def _vocab_offset(weight: torch.Tensor, group) -> int:
     return dist.get_rank(group) * weight.shape[0]
 
 
-def forward_impl(hidden, weight, targets, mask, temperature: float, group=None):
-    """(logp, entropy, lse), each ``[T]`` fp32, zero at masked rows. See the module docstring."""
-    rows = _selected_rows(mask)
-    stats = _backend(hidden.device).forward_stats(hidden, weight, targets, rows, 1.0 / temperature,
-                                                  _vocab_offset(weight, group))
+def forward_impl(hidden, weight, targets, mask, temperature: float, group=None, workspace_bytes=None):
+    """(logp, entropy, lse), each ``[T]`` fp32, zero at masked rows. See the module docstring.
+
+    ``workspace_bytes``: the logits workspace (None: the backend's ``WORKSPACE_BYTES``)."""
+    rows = selected_rows(mask)
+    backend = backend_for(hidden.device)
+    stats = backend.forward_stats(hidden, weight, targets, rows, 1.0 / temperature, vocab_offset(weight, group),
+                                  workspace_bytes=workspace_bytes or backend.WORKSPACE_BYTES)
     if group is not None:
         stats = all_reduce(stats, group)
-    return tuple(_scatter(t, rows, hidden.shape[0]) for t in finalize(RowStats(*stats)))
+    return tuple(scatter_rows(t, rows, hidden.shape[0]) for t in finalize(RowStats(*stats)))
 
 
 def backward_impl(hidden, weight, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature: float,
-                  group=None):
+                  group=None, workspace_bytes=None):
     """(d_hidden, d_weight); with ``group`` d_hidden is summed over the tensor-parallel ranks."""
-    rows = _selected_rows(mask)
+    rows = selected_rows(mask)
     if grad_logp is None:
         grad_logp = torch.zeros_like(lse)
-    d_hidden, d_weight = _backend(hidden.device).backward(
-        hidden, weight, targets, rows, _gather(lse, rows), _gather(entropy, rows), _gather(grad_logp, rows),
-        _gather(grad_entropy, rows), 1.0 / temperature, _vocab_offset(weight, group))
+    backend = backend_for(hidden.device)
+    d_hidden, d_weight = backend.backward(
+        hidden, weight, targets, rows, gather_rows(lse, rows), gather_rows(entropy, rows),
+        gather_rows(grad_logp, rows), gather_rows(grad_entropy, rows), 1.0 / temperature, vocab_offset(weight, group),
+        workspace_bytes=workspace_bytes or backend.WORKSPACE_BYTES)
     if group is not None:
         import torch.distributed as dist
 

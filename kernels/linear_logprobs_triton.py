@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .lm_head_plan import backward_plan, forward_plan
 from .vocab_stats import RowStats, combine
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -110,10 +111,6 @@ def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, n
     tl.store(dz_ptr + offs, (dz * inv_temp).to(dz_ptr.dtype.element_ty), mask=ok)
 
 
-def _round_down(x: int, k: int) -> int:
-    return max(k, x // k * k)
-
-
 def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A contiguous ``[rows, cols]`` view at the start of a flat workspace (cuBLAS writes it with ld = cols)."""
     return buffer[: rows * cols].view(rows, cols)
@@ -136,18 +133,6 @@ def _rows_of(t: torch.Tensor, rows, t0: int, t1: int) -> torch.Tensor:
     return t[t0:t1] if rows is None else t.index_select(0, rows[t0:t1])
 
 
-def _forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int):
-    """(token chunk, vocab chunk): fp32 logits block + gathered hidden rows within ``budget`` bytes.
-
-    As many tokens as leave room for a vocab chunk of 16·ALIGN columns (4096 on the GPU): long vocab chunks
-    keep the GEMMs large and the weight is streamed once per token chunk.
-    """
-    per_token = 4 * 16 * ALIGN + (itemsize * width if gather else 0)
-    token_chunk = min(n_rows, _round_down(budget // per_token, ALIGN))
-    spare = budget - (token_chunk * itemsize * width if gather else 0)
-    return token_chunk, min(vocab, _round_down(spare // (4 * token_chunk), ALIGN))
-
-
 def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int,
                   workspace_bytes: int = WORKSPACE_BYTES) -> RowStats:
     """Softmax statistics (``vocab_stats.RowStats``, ``[R]`` fp32) of the selected rows over ``weight``'s vocab.
@@ -159,8 +144,8 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     vocab, width = weight.shape
     if n_rows == 0:
         return RowStats(*torch.zeros((5, 0), dtype=torch.float32, device=hidden.device))
-    token_chunk, vocab_chunk = _forward_plan(n_rows, vocab, width, rows is not None, hidden.element_size(),
-                                             workspace_bytes)
+    token_chunk, vocab_chunk = forward_plan(n_rows, vocab, width, rows is not None, hidden.element_size(),
+                                            workspace_bytes, ALIGN)
     pieces = triton.cdiv(vocab, vocab_chunk)
     parts = torch.empty((5, n_rows, pieces), dtype=torch.float32, device=hidden.device)
     logits = torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
@@ -177,21 +162,6 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     return combine(RowStats(*parts))
 
 
-def _backward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int):
-    """(token chunk, vocab chunk) for the backward within ``budget`` bytes.
-
-    Per token of a chunk: the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row; at most
-    a quarter of the budget. Per logit of a block: fp32 logits (4 B) + dz in the input dtype. The split
-    trades the dh accumulator's read-modify-write per vocab chunk (T·H·8·V/vocab_chunk bytes) against dW's
-    per token chunk (T/token_chunk·V·H·4 bytes); a quarter is near the minimum of the sum at H=4096,
-    V=151936 (18.6 GB of traffic at T=16384 against 33 GB with half).
-    """
-    per_token = width * (4 + (itemsize if gather else 0))
-    token_chunk = min(n_rows, _round_down((budget // 4) // per_token, ALIGN))
-    spare = budget - token_chunk * per_token
-    return token_chunk, min(vocab, _round_down(spare // ((4 + itemsize) * token_chunk), ALIGN))
-
-
 def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entropy, inv_temp: float,
              vocab_offset: int, workspace_bytes: int = WORKSPACE_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_hidden ``[T, H]`` hidden dtype, d_weight ``[V, H]`` weight dtype); unselected rows get zero gradient.
@@ -206,7 +176,8 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
         return torch.zeros_like(hidden), torch.zeros_like(weight)
     d_weight = torch.empty_like(weight)
     d_hidden = torch.zeros_like(hidden) if gather else torch.empty_like(hidden)
-    token_chunk, vocab_chunk = _backward_plan(n_rows, vocab, width, gather, hidden.element_size(), workspace_bytes)
+    token_chunk, vocab_chunk = backward_plan(n_rows, vocab, width, gather, hidden.element_size(), workspace_bytes,
+                                             ALIGN)
     logits = torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
     dz_buffer = torch.empty(token_chunk * vocab_chunk, dtype=hidden.dtype, device=hidden.device)
     dh = torch.empty((token_chunk, width), dtype=torch.float32, device=hidden.device)

@@ -32,17 +32,21 @@ class FusedLinearLogprobs(nn.Module):
 
 class FusedLinearPolicyLoss(nn.Module):
     """``forward(hidden, weight, targets, old_logp, advantages, mask, ref_logp=None, rollout_logp=None,
-    cu_seqlens=None) -> (loss [], metrics)`` with the ``LossConfig`` given at construction."""
+    cu_seqlens=None) -> (loss [], metrics)`` with the ``LossConfig`` (and ``workspace_bytes``, ``one_pass`` as
+    in ``fused_linear_policy_loss``) given at construction."""
 
-    def __init__(self, cfg: LossConfig, temperature: float = 1.0, tp_group=None):
+    def __init__(self, cfg: LossConfig, temperature: float = 1.0, tp_group=None,
+                 workspace_bytes: Optional[int] = None, one_pass: Optional[bool] = None):
         super().__init__()
         self.cfg, self.temperature, self.tp_group = cfg, temperature, tp_group
+        self.workspace_bytes, self.one_pass = workspace_bytes, one_pass
 
     def forward(self, hidden, weight, targets, old_logp, advantages, mask, ref_logp=None, rollout_logp=None,
                 cu_seqlens=None):
         return fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, cfg=self.cfg,
                                         temperature=self.temperature, ref_logp=ref_logp, rollout_logp=rollout_logp,
-                                        cu_seqlens=cu_seqlens, tp_group=self.tp_group)
+                                        cu_seqlens=cu_seqlens, tp_group=self.tp_group,
+                                        workspace_bytes=self.workspace_bytes, one_pass=self.one_pass)
 
     def extra_repr(self) -> str:
         return f"cfg={self.cfg}, temperature={self.temperature}"

@@ -11,6 +11,35 @@ from redline.kernels.loss_config import LossConfig
 from redline.kernels.reference import kl_estimate, sequence_index
 
 
+def _per_seq(x, seq, num_seqs):
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
+
+
+def _aggregation_weights(mask, seq, num_seqs: int, agg: str, agg_constant, dtype) -> torch.Tensor:
+    weights = mask.to(dtype)
+    tokens_per_seq = _per_seq(weights, seq, num_seqs)
+    nonempty = (tokens_per_seq > 0).sum().clamp(min=1)
+    if agg == "token-mean":
+        scale = (1 / weights.sum().clamp(min=1)).expand(num_seqs)
+    elif agg == "seq-mean-token-mean":
+        scale = 1 / (nonempty * tokens_per_seq.clamp(min=1))
+    elif agg == "seq-mean-token-sum":
+        scale = (1 / nonempty).expand(num_seqs)
+    else:
+        scale = torch.full((num_seqs,), 1 / (num_seqs * agg_constant), device=mask.device)
+    return torch.where(mask, scale.to(dtype)[seq], torch.zeros((), dtype=dtype, device=mask.device))
+
+
+def aggregation_weights(mask, cu_seqlens, agg: str, agg_constant=None, dtype=torch.float32) -> torch.Tensor:
+    """``[T]``: d loss / d x_t of the aggregation ``agg`` (``LossConfig.agg``) — 0 at masked-out tokens.
+
+    The loss is ``Σ_t weight_t · x_t``; the weights depend on mask, cu_seqlens, agg and agg_constant only (no
+    host sync), so a caller can scale token-local gradients before any token's loss is known.
+    """
+    seq, num_seqs = sequence_index(cu_seqlens, mask.shape[0], mask.device)
+    return _aggregation_weights(mask, seq, num_seqs, agg, agg_constant, dtype)
+
+
 def policy_loss_grads_torch(logp, old_logp, advantages, mask, *, cfg: LossConfig, ref_logp=None, rollout_logp=None,
                             entropy=None, cu_seqlens=None):
     """``policy_loss_grads`` on already-checked inputs, in PyTorch. Returns ``(loss [], metrics [7] in
@@ -22,20 +51,11 @@ def policy_loss_grads_torch(logp, old_logp, advantages, mask, *, cfg: LossConfig
     logp = torch.where(mask, logp, zeros)  # masked-out tokens read as 0, as in the kernel: nothing can overflow
 
     def per_seq(x):
-        return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
+        return _per_seq(x, seq, num_seqs)
 
     tokens_per_seq = per_seq(weights)
     token_scale = 1 / weights.sum().clamp(min=1)
-    nonempty = (tokens_per_seq > 0).sum().clamp(min=1)
-    if cfg.agg == "token-mean":
-        scale = token_scale.expand(num_seqs)
-    elif cfg.agg == "seq-mean-token-mean":
-        scale = 1 / (nonempty * tokens_per_seq.clamp(min=1))
-    elif cfg.agg == "seq-mean-token-sum":
-        scale = (1 / nonempty).expand(num_seqs)
-    else:
-        scale = torch.full((num_seqs,), 1 / (num_seqs * cfg.agg_constant), device=logp.device)
-    scale = torch.where(mask, scale.to(logp.dtype)[seq], zeros)  # d loss / d x_t
+    scale = _aggregation_weights(mask, seq, num_seqs, cfg.agg, cfg.agg_constant, logp.dtype)  # d loss / d x_t
     if cfg.tis is None:
         tis_weight, tis_outside = weights, torch.zeros_like(mask)
     else:

@@ -231,8 +231,8 @@ def test_cpu_backward_over_many_chunks_equals_one_chunk():
     from redline.kernels import linear_logprobs_cpu
 
     args = _backward_inputs()
-    small = linear_logprobs_cpu.backward(*args, 1.0, 0, chunk_bytes=4 * 8 * 16)
-    whole = linear_logprobs_cpu.backward(*args, 1.0, 0, chunk_bytes=2**30)
+    small = linear_logprobs_cpu.backward(*args, 1.0, 0, workspace_bytes=4 * 8 * 16)
+    whole = linear_logprobs_cpu.backward(*args, 1.0, 0, workspace_bytes=2**30)
     for a, b in zip(small, whole):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fp32 summation order differs
 

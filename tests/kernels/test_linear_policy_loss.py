@@ -51,8 +51,10 @@ def _current_logp(inputs):
                                      temperature=TEMPERATURE).float()
 
 
+# None: the cost model's choice (the one-pass path for ppo/cispo at this shape); False: logits recomputed
+@pytest.mark.parametrize("one_pass", [None, False], ids=["auto", "two-pass"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_loss_metrics_and_gradients_match_fp64_reference(backend, name):
+def test_loss_metrics_and_gradients_match_fp64_reference(backend, name, one_pass):
     cfg = CONFIGS[name]
     inputs = make_inputs()
     inputs = _tensors(inputs, _current_logp(inputs))
@@ -61,7 +63,7 @@ def test_loss_metrics_and_gradients_match_fp64_reference(backend, name):
     kwargs = dict(cfg=cfg, temperature=TEMPERATURE, ref_logp=inputs["ref_logp"], rollout_logp=inputs["rollout_logp"],
                   cu_seqlens=CU_SEQLENS)
     loss, metrics = fused_linear_policy_loss(hidden, weight, inputs["targets"], inputs["old_logp"],
-                                             inputs["advantages"], inputs["mask"], **kwargs)
+                                             inputs["advantages"], inputs["mask"], one_pass=one_pass, **kwargs)
     (2.5 * loss).backward()
 
     hidden64 = inputs["hidden"].double().requires_grad_()

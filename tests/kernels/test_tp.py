@@ -19,6 +19,7 @@ WORLD = 2
 TEMPERATURE = 0.9
 CFG = LossConfig(estimator="ppo", kl_type="k3", kl_coef=0.1, entropy_coef=0.01, agg="seq-mean-token-mean")
 CU_SEQLENS = torch.tensor([0, 9, 23], dtype=torch.int32)
+PATHS = {"policy_loss one pass": True, "policy_loss two passes": False}
 
 
 def inputs():
@@ -42,11 +43,12 @@ def run_logprobs(hidden, weight, targets, mask, g, group=None):
     return logp.detach(), entropy.detach(), hidden.grad, weight.grad
 
 
-def run_policy_loss(hidden, weight, targets, mask, old_logp, ref_logp, advantages, group=None):
+def run_policy_loss(hidden, weight, targets, mask, old_logp, ref_logp, advantages, group=None, one_pass=None):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    # a workspace of a few tokens: several token chunks, each with its own all-reduce of the statistics
     loss, metrics = fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, cfg=CFG,
                                              temperature=TEMPERATURE, ref_logp=ref_logp, cu_seqlens=CU_SEQLENS,
-                                             tp_group=group)
+                                             tp_group=group, one_pass=one_pass, workspace_bytes=4096)
     loss.backward()
     return loss.detach(), metrics["entropy"], hidden.grad, weight.grad
 
@@ -57,9 +59,10 @@ def worker(rank, port, backend, result_dir):
     try:
         hidden, weight, targets, mask, g, old_logp, ref_logp, advantages = inputs()
         shard = weight.chunk(WORLD)[rank]
-        results = {"logprobs": run_logprobs(hidden, shard, targets, mask, g, dist.group.WORLD),
-                   "policy_loss": run_policy_loss(hidden, shard, targets, mask, old_logp, ref_logp, advantages,
-                                                  dist.group.WORLD)}
+        results = {"logprobs": run_logprobs(hidden, shard, targets, mask, g, dist.group.WORLD)}
+        for path, one_pass in PATHS.items():
+            results[path] = run_policy_loss(hidden, shard, targets, mask, old_logp, ref_logp, advantages,
+                                            dist.group.WORLD, one_pass)
         torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -89,12 +92,13 @@ def test_logprobs_match_the_unsharded_op_on_every_rank(rank_results):
         torch.testing.assert_close(tp_d_weight, d_weight.chunk(WORLD)[rank], rtol=1e-4, atol=1e-5)
 
 
-def test_policy_loss_matches_the_unsharded_op_on_every_rank(rank_results):
+@pytest.mark.parametrize("path", PATHS)
+def test_policy_loss_matches_the_unsharded_op_on_every_rank(rank_results, path):
     hidden, weight, targets, mask, _, old_logp, ref_logp, advantages = inputs()
     loss, entropy_metric, d_hidden, d_weight = run_policy_loss(hidden, weight, targets, mask, old_logp, ref_logp,
-                                                               advantages)
+                                                               advantages, one_pass=PATHS[path])
     for rank, results in enumerate(rank_results):
-        tp_loss, tp_entropy_metric, tp_d_hidden, tp_d_weight = results["policy_loss"]
+        tp_loss, tp_entropy_metric, tp_d_hidden, tp_d_weight = results[path]
         torch.testing.assert_close(tp_loss, loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(tp_entropy_metric, entropy_metric, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(tp_d_hidden, d_hidden, rtol=1e-4, atol=1e-6)

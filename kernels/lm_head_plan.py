@@ -1,0 +1,144 @@
+"""How the LM-head paths cut ``[T, V]`` logits into blocks of a bounded workspace, and what each path costs.
+
+Three plans, each ``(token chunk, vocab chunk)`` within ``budget`` bytes of workspace:
+  ``forward_plan``   two-pass forward: fp32 logits block → softmax statistics;
+  ``backward_plan``  two-pass backward: recomputed fp32 logits block → dz → dHidden, dW;
+  ``one_pass_plan``  one pass (token-level policy losses): a token chunk's full-vocabulary fp32 logits stay in the
+                     workspace from the statistics to dz, so nothing is recomputed.
+
+The cost model: GEMM FLOPs at ``PEAK_FLOPS`` plus, at ``HBM_BYTES_PER_S`` and with no overlap assumed, the
+HBM bytes a path moves besides the GEMMs' compute-bound operand streams — fp32 logits written and read back, dz
+written and read, the fp32 dh accumulator and dW read-modify-written per chunk, hidden rows per vocab chunk,
+and weight reads a GEMM's FLOPs cannot hide (``_weight_read_bytes``). Fitted on the H100 runs in
+``benchmarks/results/lm_head`` (256 MiB): two-pass ``fused_linear_policy_loss`` model 137.2 ms vs measured
+137.1 (H=4096, V=151936, T=16384, bf16), 33.9 vs 36.2 at T=4096; ``fused_linear_logprobs`` fwd+bwd 136.6 vs
+136.1, 216.5 vs 216.6 at H=8192, V=128256, 79.2 vs 73.6 at H=2048; forward 35.5 vs 36.4. The one-pass path saves
+the logits recompute (2·T·H·V FLOPs) but read-modify-writes dW (and re-streams the weight) once per token chunk,
+and a chunk holds only about ``budget / (4·V)`` tokens, so it pays only with a large enough workspace
+(``choose_one_pass``): at the shape above, 134 vs 137 ms at 256 MiB (384 tokens a chunk), 107 vs 132 ms at
+1 GiB, and two-pass below ~250 MiB. These one-pass numbers are the model's, to be checked by the benchmark.
+
+Pure arithmetic, no Triton import: the CPU path takes the same decision (its own costs differ; it serves tests
+and small models).
+"""
+
+import math
+
+PEAK_FLOPS = 750e12  # bf16 cuBLAS GEMMs of these shapes on an H100 (the three bare GEMMs: 717 TFLOP/s measured)
+HBM_BYTES_PER_S = 3.0e12  # H100 HBM3, achievable
+
+
+def round_down(x: int, k: int) -> int:
+    """The largest multiple of ``k`` ≤ x, but at least k."""
+    return max(k, x // k * k)
+
+
+def forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
+    """(token chunk, vocab chunk): fp32 logits block + gathered hidden rows within ``budget`` bytes.
+
+    As many tokens as leave room for a vocab chunk of 16·align columns (4096 on the GPU): long vocab chunks
+    keep the GEMMs large and the weight is streamed once per token chunk.
+    """
+    per_token = 4 * 16 * align + (itemsize * width if gather else 0)
+    token_chunk = min(n_rows, round_down(budget // per_token, align))
+    spare = budget - (token_chunk * itemsize * width if gather else 0)
+    return token_chunk, min(vocab, round_down(spare // (4 * token_chunk), align))
+
+
+def backward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
+    """(token chunk, vocab chunk) for the two-pass backward within ``budget`` bytes.
+
+    Per token of a chunk: the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row; at most
+    a quarter of the budget. Per logit of a block: fp32 logits (4 B) + dz in the input dtype. The split
+    trades the dh accumulator's read-modify-write per vocab chunk (T·H·8·V/vocab_chunk bytes) against dW's
+    per token chunk (T/token_chunk·V·H·4 bytes); a quarter is near the minimum of the sum at H=4096,
+    V=151936 (18.6 GB of traffic at T=16384 against 33 GB with half).
+    """
+    per_token = width * (4 + (itemsize if gather else 0))
+    token_chunk = min(n_rows, round_down((budget // 4) // per_token, align))
+    spare = budget - token_chunk * per_token
+    return token_chunk, min(vocab, round_down(spare // ((4 + itemsize) * token_chunk), align))
+
+
+def _seconds(flops: float, hbm_bytes: float) -> float:
+    return flops / PEAK_FLOPS + hbm_bytes / HBM_BYTES_PER_S
+
+
+def _weight_read_bytes(n_rows, vocab, width, itemsize, token_chunk) -> float:
+    """HBM bytes of one GEMM streaming the whole weight once per token chunk, as far as its FLOPs do not hide
+    them: a chunk of M tokens does 2·M·H·V FLOPs per V·H·itemsize bytes, so from M ≈ 250 on (bf16, H100) the
+    read costs nothing extra. Fitted: counting these reads in full overestimated the measured two-pass times
+    by 3–5 %, leaving them out matches them within 0.5 % (H=4096 and 8192, T=16384)."""
+    token_chunks = math.ceil(n_rows / token_chunk)
+    read = vocab * width * itemsize / HBM_BYTES_PER_S
+    hidden_by = 2 * token_chunk * width * vocab / PEAK_FLOPS
+    return token_chunks * max(0.0, read - hidden_by) * HBM_BYTES_PER_S
+
+
+def _gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk) -> float:
+    """HBM bytes of the logits → dHidden, dW GEMMs beyond the logits and dz: the weight read by the logits
+    and dh GEMMs (``_weight_read_bytes``); per token chunk dW written (and read back when accumulating); per
+    vocab chunk the hidden rows read by the logits and dW GEMMs and the fp32 dh accumulator read-modify-written."""
+    token_chunks, vocab_chunks = math.ceil(n_rows / token_chunk), math.ceil(vocab / vocab_chunk)
+    weight = vocab * width * itemsize
+    rows = n_rows * width
+    return (2 * _weight_read_bytes(n_rows, vocab, width, itemsize, token_chunk) + (2 * token_chunks - 1) * weight
+            + 2 * vocab_chunks * rows * itemsize + (2 * vocab_chunks - 1) * rows * 4)
+
+
+def two_pass_seconds(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
+                     align: int) -> float:
+    """Modelled time of forward statistics (2·T·H·V) + recompute backward (6·T·H·V)."""
+    tc, vc = forward_plan(n_rows, vocab, width, gather, itemsize, budget, align)
+    forward = (_weight_read_bytes(n_rows, vocab, width, itemsize, tc)
+               + math.ceil(vocab / vc) * n_rows * width * itemsize
+               + n_rows * vocab * 8)  # fp32 logits written by cuBLAS, read by the statistics kernel
+    tc, vc = backward_plan(n_rows, vocab, width, gather, itemsize, budget, align)
+    backward = (_gradient_gemm_bytes(n_rows, vocab, width, itemsize, tc, vc)
+                + n_rows * vocab * (8 + 3 * itemsize))  # fp32 logits written + read; dz written, read by 2 GEMMs
+    return _seconds(8 * n_rows * width * vocab, forward + backward)
+
+
+def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
+    """(token chunk, vocab chunk) of the one-pass path, or None when not even one token's logits fit.
+
+    Per token of a chunk: its full-vocabulary fp32 logits (4·V), one vocab chunk of dz in the input dtype,
+    the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row and dh cast to the input dtype
+    for the scatter. Token chunks are multiples of
+    align/4 (64 on the GPU); the vocab chunk (a multiple of align, or all of V) is the one the model rates
+    fastest: longer ones cut the dh read-modify-writes, shorter ones leave room for more tokens.
+    """
+    token_align = max(1, align // 4)
+    best, best_seconds = None, math.inf
+    candidates = sorted({min(vocab, align << k) for k in range(64) if (align << k) < 2 * vocab})
+    for vc in candidates:
+        per_token = 4 * vocab + itemsize * vc + width * (4 + (2 * itemsize if gather else 0))
+        fit = budget // per_token
+        tc = min(n_rows, fit // token_align * token_align if fit >= token_align else fit)
+        if tc <= 0:
+            continue
+        seconds = _one_pass_seconds(n_rows, vocab, width, itemsize, tc, vc)
+        if seconds <= best_seconds:
+            best, best_seconds = (tc, vc), seconds
+    return best
+
+
+def _one_pass_seconds(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk) -> float:
+    hbm_bytes = (_gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk)
+                 # fp32 logits written, read by the statistics and dz kernels; dz written, read by 2 GEMMs
+                 + n_rows * vocab * (12 + 3 * itemsize))
+    return _seconds(6 * n_rows * width * vocab, hbm_bytes)
+
+
+def one_pass_seconds(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
+                     align: int) -> float:
+    """Modelled time of the one-pass path (6·T·H·V); ``inf`` when it does not fit the budget."""
+    plan = one_pass_plan(n_rows, vocab, width, gather, itemsize, budget, align)
+    return math.inf if plan is None else _one_pass_seconds(n_rows, vocab, width, itemsize, *plan)
+
+
+def choose_one_pass(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
+                    align: int) -> bool:
+    """True when the model rates the one-pass path faster than forward + recompute backward."""
+    args = (n_rows, vocab, width, gather, itemsize, budget, align)
+    return n_rows > 0 and one_pass_seconds(*args) < two_pass_seconds(*args)
