@@ -134,12 +134,31 @@ def test_small_batch_reaches_the_branch(estimator, changed):
     assert not torch.allclose(loss_a, loss_b) or not torch.allclose(grad_a, grad_b)
 
 
+@pytest.mark.parametrize("block", [2, 4])
 @pytest.mark.parametrize("estimator,agg", [("ppo", "token-mean"), ("gspo", "seq-mean-token-mean"),
-                                           ("cispo", "seq-mean-token-sum")])
-def test_triton_programs_looping_over_several_blocks_match_reference(estimator, agg):
+                                           ("cispo", "seq-mean-token-sum"), ("gspo", "seq-mean-token-sum-norm")])
+def test_triton_sequences_spanning_several_programs_match_reference(estimator, agg, block):
+    """Blocks of 2 or 4 tokens: sequences span several programs, programs hold several sequences."""
     batch = make_batch(**SMALL)
     cfg = make_config(estimator, "k3", "truncate", agg)
-    assert_matches(policy_loss_grads_triton(**batch, cfg=cfg, block=2, split=2), reference(batch, cfg))
+    assert_matches(policy_loss_grads_triton(**batch, cfg=cfg, block=block), reference(batch, cfg))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("estimator,agg", [("gspo", "seq-mean-token-mean"), ("ppo", "seq-mean-token-sum")])
+def test_empty_sequences_at_both_ends_match_reference(impl, estimator, agg):
+    batch = make_batch([0, 6, 0, 0, 9, 0], [0.0, 0.3, 0.0, 0.0, -0.2, 0.0])
+    cfg = make_config(estimator, "k2", None, agg)
+    options = dict(block=4) if impl == "triton" else {}
+    assert_matches(IMPLEMENTATIONS[impl](**batch, cfg=cfg, **options), reference(batch, cfg))
+
+
+def test_triton_sequence_over_more_slots_than_one_summing_step_matches_reference():
+    from redline.kernels.policy_loss_triton import SLOT_RANGE
+
+    batch = make_batch([5, 3 * SLOT_RANGE * 4 + 3, 6], [0.2, -0.1, 0.4])
+    cfg = make_config("gspo", "k1", "icepop", "seq-mean-token-mean")
+    assert_matches(policy_loss_grads_triton(**batch, cfg=cfg, block=4), reference(batch, cfg))
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -281,10 +300,10 @@ def test_bad_input_raises_naming_the_argument(case):
         policy_loss(**kwargs)
 
 
-@pytest.mark.parametrize("launch", [dict(block=3), dict(split=6)])
-def test_triton_launch_shape_must_be_powers_of_two(launch):
-    with pytest.raises(ValueError, match=f"^{next(iter(launch))} must be a power of two"):
-        policy_loss_grads_triton(**make_batch(**SMALL), cfg=make_config("ppo", "k1", None, "token-mean"), **launch)
+@pytest.mark.parametrize("block", [3, 0])
+def test_triton_block_must_be_a_power_of_two(block):
+    with pytest.raises(ValueError, match="^block must be a power of two"):
+        policy_loss_grads_triton(**make_batch(**SMALL), cfg=make_config("ppo", "k1", None, "token-mean"), block=block)
 
 
 def test_triton_path_rejects_more_tokens_than_int32_offsets_reach():
