@@ -6,10 +6,14 @@ eager PyTorch with fp32 logits (slime's method); ``torch.compile`` of that eager
 (Triton FLCE ``reduction="none"``, fused scaled CE with entropy); cut-cross-entropy (``reduction="none"``).
 Liger and CCE run only where they are installed (``python3 ../shared/device/stage.py anchors``).
 
-Recorded per provider: ms (median), ``flops`` = 8·T·H·V (fwd+bwd with recompute; forward groups 2·T·H·V),
-peak memory beyond the inputs (outputs and gradients included; ``grads_mib`` says how much of it they are)
-and, for providers returning log-probs, max/mean |Δlogp| and |Δentropy| against an fp64 reference on the same
-bf16 inputs.
+The policy-loss groups (a GRPO step from hidden states) compare ``fused_linear_policy_loss`` — the default
+call and each of its paths forced at 256 MiB and 1 GiB of workspace — with ``torch.compile`` of the eager
+reference, ``LigerFusedLinearGRPOLoss`` and the same cuBLAS baseline.
+
+Recorded per provider: ms (median), ``flops`` = 8·T·H·V (fwd+bwd with recompute; forward groups 2·T·H·V;
+redline's one-pass policy-loss rows 6·T·H·V, the work they do), peak memory beyond the inputs (outputs and
+gradients included; ``grads_mib`` says how much of it they are) and, for providers returning log-probs,
+max/mean |Δlogp| and |Δentropy| against an fp64 reference on the same bf16 inputs.
 """
 
 import pytest
@@ -202,18 +206,69 @@ def _policy_inputs(h, v, t):
     return hidden, weight, targets, old_logp, ref_logp, advantages, mask
 
 
-@pytest.mark.parametrize("provider", ["redline fused_linear_policy_loss", "LigerFusedLinearGRPOLoss"])
+# redline variants: (workspace MiB, one_pass) — None: the cost model picks the path (the default call)
+REDLINE_POLICY = {
+    "redline fused_linear_policy_loss": (256, None),
+    "redline one-pass 256 MiB": (256, True),
+    "redline one-pass 1 GiB": (1024, True),
+    "redline two-pass 256 MiB": (256, False),
+    "redline two-pass 1 GiB": (1024, False),
+}
+
+
+def _policy_path_info(h, v, t, mib, one_pass) -> dict:
+    """Which path a redline variant runs, its FLOPs (6·T·H·V one pass, 8·T·H·V two passes) and the cost model's
+    estimate of it (``lm_head_plan``), for the row's extra info."""
+    from redline.kernels import lm_head_plan
+    from redline.kernels.linear_logprobs_triton import ALIGN
+
+    shape = (t, v, h, True, 2, mib * 2**20, ALIGN)  # every row selected; the op gathers the mask's rows
+    if one_pass is None:
+        one_pass = lm_head_plan.choose_one_pass(*shape)
+    model = lm_head_plan.one_pass_seconds if one_pass else lm_head_plan.two_pass_seconds
+    return dict(path="one pass" if one_pass else "two passes", workspace_mib=mib,
+                flops=(6 if one_pass else 8) * t * h * v, model_ms=round(model(*shape) * 1e3, 1),
+                one_pass_plan=str(lm_head_plan.one_pass_plan(*shape)) if one_pass else None)
+
+
+def _eager_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ref_logp, cfg):
+    """The reference chain with fp32 logits: eager log-probs + entropy, then ``policy_loss_reference``."""
+    from redline.kernels.reference import policy_loss_reference
+
+    logp, entropy = _eager_logprobs(hidden, weight, targets)
+    return policy_loss_reference(logp, old_logp, advantages, mask, cfg=cfg, ref_logp=ref_logp, entropy=entropy)[0]
+
+
+_compiled_policy_loss = torch.compile(_eager_policy_loss, dynamic=False)
+
+
+@pytest.mark.parametrize("provider", list(REDLINE_POLICY) + ["torch.compile reference", "LigerFusedLinearGRPOLoss"])
 @pytest.mark.parametrize("h,v,t", POLICY_SHAPES, ids=POLICY_IDS)
 def test_policy_loss_fwd_bwd(gpu_bench, benchmark, h, v, t, provider):
-    """GRPO step from hidden states: clipped surrogate + k3 KL (coef 0.04), token-mean, 1024-token sequences."""
+    """GRPO step from hidden states: clipped surrogate + k3 KL (coef 0.04), token-mean, 1024-token sequences.
+
+    redline rows: the default call (256 MiB, path by the cost model) and each path forced at 256 MiB and 1 GiB
+    of workspace; ``flops`` is the work the path does (one pass 6·T·H·V, two passes 8·T·H·V; the cuBLAS
+    baseline row counts 8·T·H·V for its three GEMMs, so compare times, not TFLOP/s, across bases).
+    """
     from redline.kernels import LossConfig, fused_linear_policy_loss
 
     hidden, weight, targets, old_logp, ref_logp, advantages, mask = _policy_inputs(h, v, t)
     cfg = LossConfig(estimator="ppo", eps_clip=0.2, kl_type="k3", kl_coef=0.04, agg="token-mean")
-    if provider.startswith("redline"):
+    flops = 8 * t * h * v
+    if provider in REDLINE_POLICY:
+        mib, one_pass = REDLINE_POLICY[provider]
+        info = _policy_path_info(h, v, t, mib, one_pass)
+        flops = info.pop("flops")
+        benchmark.extra_info.update(info)
+
         def loss_fn():
             return fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, cfg=cfg,
-                                            temperature=TEMPERATURE, ref_logp=ref_logp)[0]
+                                            temperature=TEMPERATURE, ref_logp=ref_logp, workspace_bytes=mib * 2**20,
+                                            one_pass=one_pass)[0]
+    elif provider == "torch.compile reference":
+        def loss_fn():
+            return _compiled_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ref_logp, cfg)
     else:
         liger = pytest.importorskip("liger_kernel.chunked_loss")
         grpo = liger.LigerFusedLinearGRPOLoss(beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo",
@@ -233,12 +288,13 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, h, v, t, provider):
 
     benchmark.extra_info["grads_mib"] = (hidden.numel() + weight.numel()) * 2 / 2**20
     try:
-        gpu_bench(step, group=f"policy-loss fwd+bwd H={h} V={v} T={t}", provider=provider, flops=8 * t * h * v,
-                  H=h, V=v, T=t)
+        loss = gpu_bench(step, group=f"policy-loss fwd+bwd H={h} V={v} T={t}", provider=provider, flops=flops,
+                         H=h, V=v, T=t)
     except Exception as exc:  # Liger's torch.compile crash at T=16384 is a result worth recording, not a bug here
         if provider.startswith("redline"):
             raise
         pytest.skip(f"{provider} failed at T={t}: {type(exc).__name__}: {str(exc)[:200]}")
+    benchmark.extra_info["loss"] = loss.item()  # the same loss for every provider but Liger's (dapo, no k3 clamp)
 
 
 @pytest.mark.parametrize("h,v,t", POLICY_SHAPES, ids=POLICY_IDS)

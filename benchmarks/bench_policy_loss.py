@@ -3,7 +3,8 @@
 Providers: redline (the Triton kernels behind ``policy_loss``), the fp32 reference in eager PyTorch (baseline)
 and ``torch.compile`` of that reference. Every provider computes the same loss (KL + entropy + TIS + dual clip
 on), then the gradients of logp and entropy. Each row also records how many GPU kernels one call launches
-(``kernels_per_call``). Target: redline >= 5x faster than eager.
+(``kernels_per_call``) and their summed GPU time (``kernel_us``, from the profiler): the gap between that and
+the wall time is host work (Python, dispatch, launches). Target: redline >= 5x faster than eager.
 """
 
 import pytest
@@ -41,11 +42,13 @@ def packed_batch():
                 cu_seqlens=cu_seqlens)
 
 
-def kernels_per_call(fn) -> int:
+def kernel_profile(fn) -> dict:
+    """``kernels_per_call`` and ``kernel_us`` (their summed GPU time) of one call of ``fn``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events())
+    kernels = [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    return dict(kernels_per_call=len(kernels), kernel_us=sum(event.time_range.elapsed_us() for event in kernels))
 
 
 PROVIDERS = {
@@ -72,4 +75,4 @@ def test_policy_loss_fwd_bwd(gpu_bench, provider, estimator):
     step()  # compile / autotune outside the count
     gpu_bench(step, group=f"policy loss fwd+bwd {estimator} T=1M S=1024", provider=provider,
               baseline=provider == "torch eager reference", rounds=30, warmup=5, T=NUM_TOKENS, S=NUM_SEQS,
-              estimator=estimator, kernels_per_call=kernels_per_call(step))
+              estimator=estimator, **kernel_profile(step))

@@ -260,13 +260,20 @@ def test_gpu_one_pass_memory_stays_within_the_workspace(cuda):
     t, h, v = 16384, 2048, 65536  # the fp32 logits alone would be 4 GiB
     inputs = gpu_inputs(t, h, v, cuda, seed=5)
     hidden, weight = inputs["hidden"].requires_grad_(), inputs["weight"].requires_grad_()
+
+    def call(n):
+        return fused_linear_policy_loss(hidden[:n], weight, inputs["targets"][:n], inputs["old_logp"][:n],
+                                        inputs["advantages"][:n], inputs["mask"][:n], cfg=LossConfig(),
+                                        one_pass=True, workspace_bytes=256 * 2**20)
+
+    call(64)  # cuBLAS workspaces and kernel compilation outside the measurement
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fused_linear_policy_loss(hidden, weight, inputs["targets"], inputs["old_logp"], inputs["advantages"],
-                             inputs["mask"], cfg=LossConfig(), one_pass=True, workspace_bytes=256 * 2**20)
+    call(t)
     grads = (hidden.numel() + weight.numel()) * hidden.element_size()
-    assert torch.cuda.max_memory_allocated() - before - grads <= 256 * 2**20 + 2**20
+    per_token = 64 * t  # a dozen [T] fp32/int64 tensors: statistics, gathered inputs, the loss's gradients
+    assert torch.cuda.max_memory_allocated() - before - grads <= 256 * 2**20 + per_token + 2**20
 
 
 @pytest.mark.gpu
