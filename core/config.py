@@ -46,7 +46,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    rollout_engine: Literal["auto", "embedded", "sglang"] = option("auto", "rollout engine")
+    rollout_engine: Literal["auto", "embedded", "sglang"] = option(
+        "auto", "rollout engine; auto: sglang when it is installed and a CUDA GPU is visible, else embedded")
     num_rollout: int = option(10, "number of rollout steps to run")
     rollout_batch_size: int = option(8, "prompts per rollout step")
     n_samples_per_prompt: int = option(4, "responses sampled per prompt (group size)")
@@ -65,6 +66,13 @@ class RolloutConfig:
     custom_generate_function_path: str | None = option(None, "custom generate 'module:function' (multi-turn, tools)")
     partial_rollout: bool = option(False, "return unfinished groups to the buffer")
     sglang_args: list[str] = option([], "extra SGLang server arguments, passed through")
+    sglang_mem_fraction_static: float = option(
+        0.5, "share of the GPU's memory SGLang takes for its weights and KV cache; the colocated trainer keeps "
+        "its weights, gradients and optimizer state resident beside it")
+    sglang_server_urls: list[str] = option([], "attach to running SGLang servers (http://host:port) on this host "
+                                           "instead of launching one")
+    embedded_engine_process: bool = option(False, "run the embedded engine in its own process (weights cross by "
+                                           "shared memory on CPU, CUDA IPC on GPU)")
     eval_temperature: float = option(1.0, "sampling temperature of evaluation")
     eval_top_p: float = option(1.0, "nucleus p of evaluation")
     eval_max_response_len: int | None = option(None, "max new tokens in evaluation (default: the rollout's)")
@@ -120,6 +128,14 @@ class TrainConfig:
 
 
 @dataclass
+class SyncConfig:
+    update_weight_buffer_size: int = option(512 * 2**20, "bytes per weight-sync bucket (dtype-homogeneous, a "
+                                            "layer's tensors never split)")
+    offload_rollout: bool = option(False, "colocated: the engine releases its weights and KV cache after each "
+                                   "rollout and takes them back around the weight sync")
+
+
+@dataclass
 class CheckpointConfig:
     output_dir: str | None = option(None, "run folder (default runs/<name>-<time>/)")
     run_name: str = option("run", "name of the run")
@@ -138,4 +154,5 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -3,8 +3,10 @@
 ``prompt_data = "builtin:addition"`` writes JSONL files of single-digit sums (``"3+5="`` → ``"8"``): the RL prompts,
 an eval set, and noisy demonstrations for the SFT warm-up (each prompt with the answers a+b-2 … a+b+2, so
 imitation alone is right one time in five and RL has to find which answer the reward accepts);
-``hf_checkpoint = "builtin:tiny"`` writes a small Qwen3-architecture model with random weights and a
-character-level tokenizer trained with ``tokenizers``. Both land in ``<output_dir>/builtin/``.
+``hf_checkpoint = "builtin:<model>"`` writes a Qwen3-architecture model with random weights and a
+character-level tokenizer made with ``tokenizers``. Both land in ``<output_dir>/builtin/``. The models
+(``MODELS``): ``tiny`` (~0.2M parameters, the CPU quickstart), ``50m`` (the quickstart task on a GPU) and
+``qwen3-1.7b`` (Qwen3-1.7B's shape, vocabulary included, for step-time measurements; it learns nothing useful).
 """
 
 import json
@@ -17,6 +19,17 @@ PREFIX = "builtin:"
 CHARACTERS = list("0123456789+-*=?: ")
 TINY_MODEL = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=24, max_position_embeddings=64, tie_word_embeddings=True)
+# Qwen3 config fields of each built-in model; "vocab_size" absent = the character vocabulary, no more.
+MODELS = {
+    "tiny": TINY_MODEL,
+    # 16 layers x (0.79M attention + 2.36M MLP) = 50.3M parameters; head_dim 64 suits every attention kernel
+    "50m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64, max_position_embeddings=256, tie_word_embeddings=True),
+    # Qwen/Qwen3-1.7B's config.json: 1.72B parameters with the tied 151,936-token embedding
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, vocab_size=151936),
+}
 
 
 def is_builtin(value: str | None) -> bool:
@@ -48,12 +61,16 @@ def addition_task(folder: Path, *, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
-def char_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast``: one id per character, ``<|endoftext|>`` as EOS and PAD."""
+def char_tokenizer(vocab_size: int | None = None):
+    """A character-level ``PreTrainedTokenizerFast``: one id per character, ``<|endoftext|>`` as EOS and PAD.
+
+    ``vocab_size`` pads the vocabulary with ``<|filler_i|>`` tokens (no text encodes to them; they decode to
+    their names), so a model of a real vocabulary size can emit any id and every id decodes."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(CHARACTERS)}}
+    vocab.update({f"<|filler_{i}|>": i for i in range(len(vocab), vocab_size or 0)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -63,16 +80,28 @@ def char_tokenizer():
 
 def tiny_model(folder: Path, *, seed: int = 0) -> Path:
     """An HF directory (config, safetensors, tokenizer) of a ~0.2M-parameter Qwen3-architecture decoder."""
+    return builtin_model(folder, "tiny", seed=seed)
+
+
+def builtin_model(folder: Path, name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                  device: str = "cpu") -> Path:
+    """An HF directory (config, safetensors in ``dtype``, tokenizer) of the built-in model ``name`` with random
+    weights drawn on ``device`` (the larger models are quicker to draw on a GPU)."""
     from transformers import Qwen3Config
 
     from redline.trainer.models import from_config
 
+    if name not in MODELS:
+        raise ValueError(f"--hf-checkpoint builtin:{name}: unknown built-in model (known: {', '.join(MODELS)})")
+    fields = dict(MODELS[name])
+    tokenizer = char_tokenizer(fields.pop("vocab_size", None))
+    vocab_size = len(tokenizer)  # every id the model can emit decodes
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = char_tokenizer()
-    vocab_size = len(tokenizer)  # every id the model can emit decodes to a character
+    # SGLang picks its model class by ``architectures``
     config = Qwen3Config(vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **TINY_MODEL)
-    model = from_config(config, backend="bf16", dtype=torch.float32, device="cpu", seed=seed)
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                         architectures=["Qwen3ForCausalLM"], **fields)
+    model = from_config(config, backend="bf16", dtype=dtype, device=device, seed=seed)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -93,7 +122,11 @@ def materialize(config, builtin_dir: Path) -> dict[str, str]:
             overrides["sft_prompt_data"] = str(paths["sft"])
     if is_builtin(config.model.hf_checkpoint):
         name = config.model.hf_checkpoint[len(PREFIX):]
-        if name != "tiny":
-            raise ValueError(f"--hf-checkpoint {config.model.hf_checkpoint}: unknown built-in model (known: tiny)")
-        overrides["hf_checkpoint"] = str(tiny_model(builtin_dir / "tiny", seed=config.train.seed))
+        if name == "tiny":  # float32 on the CPU whatever the run: the quickstart's weights are the same everywhere
+            folder = tiny_model(builtin_dir / name, seed=config.train.seed)
+        else:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.model.dtype, torch.float32)
+            folder = builtin_model(builtin_dir / name, name, seed=config.train.seed, dtype=dtype, device=device)
+        overrides["hf_checkpoint"] = str(folder)
     return overrides

@@ -8,11 +8,13 @@ import json
 import math
 from pathlib import Path
 
+PHASES = ("perf/rollout_time", "perf/offload_rollout_time", "perf/logprob_time", "perf/train_time",
+          "perf/update_weights_time", "perf/idle_time")  # they add up to perf/step_time
 PLOTS = {
     "reward.png": ("rollout/reward_mean", "eval/reward_mean"),
     "kl.png": ("train/kl", "train/approx_kl"),
     "entropy.png": ("train/entropy",),
-    "phase_times.png": ("perf/rollout_time", "perf/logprob_time", "perf/train_time", "perf/update_weights_time"),
+    "phase_times.png": PHASES,
 }
 
 
@@ -90,10 +92,28 @@ class MetricsLog:
             _, values = self.series(key)
             if values:
                 lines.append(f"| {key} | {values[0]:.4g} | {values[-1]:.4g} | {min(values):.4g} | {max(values):.4g} |")
+        lines += self.breakdown()
         lines += ["", *(f"![{p.stem}]({p.name})" for p in self.plot())]
         path = self.dir / "report.md"
         path.write_text("\n".join(lines) + "\n")
         return path
+
+    def breakdown(self) -> list[str]:
+        """Markdown table of the mean seconds and share of the step per phase; the first RL step (warm-up:
+        CUDA graphs, autotuning, allocator growth) is left out when there are others."""
+        rows = sorted((r for r in self.records if "perf/step_time" in r), key=lambda r: r["step"])
+        if len(rows) > 1:
+            rows = rows[1:]
+        if not rows:
+            return []
+        step = sum(r["perf/step_time"] for r in rows) / len(rows)
+        lines = ["", f"Step-time breakdown, mean of steps {rows[0]['step']}–{rows[-1]['step']}:", "",
+                 "| phase | seconds | share |", "| --- | ---: | ---: |"]
+        for key in PHASES:
+            mean = sum(r.get(key, 0.0) for r in rows) / len(rows)
+            lines.append(f"| {key.removeprefix('perf/').removesuffix('_time')} | {mean:.4f} | {mean / step:.1%} |")
+        lines.append(f"| step | {step:.4f} | 100% |")
+        return lines
 
     def close(self) -> None:
         self.tensorboard.close()

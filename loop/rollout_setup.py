@@ -59,25 +59,86 @@ class LoopRollout:
         self.manager.load_state_dict(state)
 
 
-def build_engine(config, tokenizer, *, device, dtype):
-    """The embedded engine on its own copy of the weights (in-process, same device as the trainer)."""
+def resolve_engine(config) -> str:
+    """``embedded`` or ``sglang``: ``auto`` takes SGLang when it is installed and a CUDA GPU is visible (it runs
+    only there), else the embedded engine."""
+    import torch
+
+    from redline.extras import available
+
+    choice = config.rollout.rollout_engine
+    if choice == "auto":
+        return "sglang" if available("sglang") and torch.cuda.is_available() else "embedded"
+    return choice
+
+
+def engine_rows(config) -> int:
+    r = config.rollout
+    return min(r.rollout_batch_size * r.n_samples_per_prompt, 512)
+
+
+def build_engine(config, tokenizer, *, device, dtype, log_dir="logs"):
+    """The run's rollout engine, colocated with the trainer (same device)."""
+    if resolve_engine(config) == "sglang":
+        return build_sglang_engine(config, log_dir=log_dir)
+    if config.rollout.embedded_engine_process:
+        return build_embedded_process(config, device=device, dtype=dtype)
+    return build_embedded_engine(config, tokenizer, device=device, dtype=dtype)
+
+
+def build_embedded_engine(config, tokenizer, *, device, dtype):
+    """The embedded engine in this process, on its own copy of the weights."""
     from redline.rollout.embedded.engine import EmbeddedEngine
     from redline.trainer.models import from_pretrained
 
-    r = config.rollout
     model = from_pretrained(config.model.hf_checkpoint, backend="bf16", dtype=dtype, device=device)
-    rows = min(r.rollout_batch_size * r.n_samples_per_prompt, 512)
-    prompt_len = config.data.rollout_max_prompt_len or model_context(model) - r.rollout_max_response_len
-    return EmbeddedEngine(model, tokenizer, max_batch_size=rows,
-                          max_seq_len=min(model_context(model), prompt_len + r.rollout_max_response_len),
+    return EmbeddedEngine(model, tokenizer, max_batch_size=engine_rows(config),
+                          max_seq_len=engine_seq_len(config, model_context(model.hf_config)),
                           seed=config.train.seed)
 
 
-def model_context(model) -> int:
-    return int(getattr(model.hf_config, "max_position_embeddings", 4096))
+def build_embedded_process(config, *, device, dtype):
+    """The embedded engine in its own process (spawned; it loads the checkpoint itself)."""
+    from transformers import AutoConfig
+
+    from redline.rollout.embedded.process import EmbeddedEngineProcess
+
+    context = model_context(AutoConfig.from_pretrained(config.model.hf_checkpoint))
+    return EmbeddedEngineProcess(config.model.hf_checkpoint, dtype=dtype, device=str(device),
+                                 max_batch_size=engine_rows(config), max_seq_len=engine_seq_len(config, context),
+                                 seed=config.train.seed)
 
 
-def build_rollout(config, tokenizer, *, device, dtype):
+def build_sglang_engine(config, *, log_dir):
+    """SGLang on the trainer's GPU (launched from ``--hf-checkpoint``), or attached to ``--sglang-server-urls``.
+    The memory saver is on with ``--offload-rollout``: it is what lets the engine release and resume memory."""
+    import torch
+
+    from redline.rollout.sglang.engine import SGLangEngine
+
+    r = config.rollout
+    if r.sglang_server_urls:
+        return SGLangEngine(list(r.sglang_server_urls))
+    args = list(r.sglang_args) + ["--mem-fraction-static", str(r.sglang_mem_fraction_static)]
+    if not any(a.split("=", 1)[0] in ("--dtype", "--sglang-dtype") for a in args):
+        args += ["--dtype", config.model.dtype]  # the trainer's dtype: its buckets load without a cast
+    return SGLangEngine.launch(config.model.hf_checkpoint, num_engines=1, tp_size=1, sglang_args=args,
+                               base_gpu_ids=[torch.cuda.current_device()], log_dir=log_dir,
+                               enable_memory_saver=config.sync.offload_rollout)
+
+
+def engine_seq_len(config, context: int) -> int:
+    """KV-cache slots per row: the longest prompt allowed plus the response budget, within the context."""
+    r = config.rollout
+    prompt_len = config.data.rollout_max_prompt_len or context - r.rollout_max_response_len
+    return min(context, prompt_len + r.rollout_max_response_len)
+
+
+def model_context(hf_config) -> int:
+    return int(getattr(hf_config, "max_position_embeddings", 4096))
+
+
+def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs"):
     """``(engine, LoopRollout)`` for the run."""
     d, r = config.data, config.rollout
     dataset_options = dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
@@ -86,7 +147,7 @@ def build_rollout(config, tokenizer, *, device, dtype):
     data = DataSource(PromptDataset(d.prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
                       shuffle=d.rollout_shuffle)
     reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url)
-    engine = build_engine(config, tokenizer, device=device, dtype=dtype)
+    engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
                             stop_token_ids=tuple(r.rollout_stop_token_ids))

@@ -31,8 +31,7 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
     state.worker.begin_sft(cfg.train.sft_lr or cfg.train.lr, cfg.train.sft_steps)
     results = [sft_step(state, tokenizer) for _ in range(cfg.train.sft_steps)]
     state.worker.end_sft()
-    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
-                                                              version="sft"))
+    state.loop.run_until_complete(state.weight_sync.push("sft"))
     metrics = {"sft/loss": results[-1]["sft_loss"] if results else float("nan"), "sft/steps": float(len(results))}
     if state.rollout.has_eval:
         metrics.update(state.loop.run_until_complete(state.rollout.evaluate(-1)))
@@ -42,7 +41,6 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
 def sft_rollout(state, tokenizer, rollout_id: int) -> dict[str, float]:
     """``--loss-type sft``: ``--num-steps-per-rollout`` SFT steps, then sync the engine (for eval)."""
     results = [sft_step(state, tokenizer) for _ in range(state.config.train.num_steps_per_rollout)]
-    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
-                                                              version=str(rollout_id + 1)))
+    state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
     return {"train/sft_loss": results[-1]["sft_loss"], "train/grad_norm": results[-1]["grad_norm"],
             "train/lr": results[-1]["lr"], "train/skipped_steps": sum(r["skipped"] for r in results)}

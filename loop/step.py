@@ -1,7 +1,7 @@
 """One RL step, top to bottom: rollout → log-probs → advantages → optimizer steps → weight sync.
 
-Reads in order; each phase is timed into ``perf/*``. Everything the step needs lives in a ``RunState``
-built once by ``redline.loop.train``.
+Reads in order; each phase is timed into ``perf/*`` (``perf/idle_time``: the step's time outside them).
+Everything the step needs lives in a ``RunState`` built once by ``redline.loop.train``.
 """
 
 import asyncio
@@ -21,11 +21,19 @@ class RunState:
     config: object  # RunConfig
     worker: object  # TrainerWorker
     rollout: object  # RolloutManager: async generate(rollout_id) -> (samples, metrics)
-    engine: object  # rollout engine that receives the weights
+    engine: object  # rollout engine
+    weight_sync: object  # WeightSync: trainer → engine pushes and the engine's colocated memory
     loss_cfg: object  # redline.kernels.LossConfig
     kl_controller: AdaptiveKLController | None
     loop: asyncio.AbstractEventLoop
     critic: object | None = None  # CriticWorker, for advantage_estimator "ppo"
+
+
+def clock() -> float:
+    """Seconds, after the device's queued work: each phase is charged its own GPU time."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def per_sample(state: RunState, samples: list[Sample], per_position) -> list[torch.Tensor]:
@@ -47,24 +55,27 @@ def per_sample_logprobs(state: RunState, samples: list[Sample], *, reference: bo
 
 def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     cfg, algo = state.config, state.config.algo
-    step_start = time.perf_counter()
+    step_start = clock()
 
     # 1. rollout: generate n samples per prompt, score them, filter groups
     samples, metrics = state.loop.run_until_complete(state.rollout.generate(rollout_id))
-    rollout_time = time.perf_counter() - step_start
+    rollout_time = clock() - step_start
+    t0 = clock()
+    state.loop.run_until_complete(state.weight_sync.release())  # --offload-rollout: the GPU is the trainer's
+    offload_time = clock() - t0
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     rollout_logp = [torch.tensor(s.rollout_logp, dtype=torch.float32) for s in samples]
     loss_masks = torch.cat([torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples])
 
     # 2. old / reference log-probs (old ones are reused when the weights cannot move before the loss sees them)
-    t0 = time.perf_counter()
+    t0 = clock()
     kl_coef = state.kl_controller.coef if state.kl_controller else algo.kl_coef
     reuse_old = cfg.train.num_steps_per_rollout == 1 and kl_coef == 0
     need_ref = state.loss_cfg.kl_coef > 0 or kl_coef > 0
     old_logp = None if reuse_old else per_sample_logprobs(state, samples, reference=False)
     ref_logp = per_sample_logprobs(state, samples, reference=True) if need_ref else None
     old_values = per_sample(state, samples, state.critic.values) if state.critic else None
-    logprob_time = time.perf_counter() - t0
+    logprob_time = clock() - t0
 
     # 3. advantages (KL in the reward when --kl-coef > 0)
     cu_resp = torch.tensor([0] + [s.response_length for s in samples]).cumsum(0)
@@ -83,7 +94,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         per_token["ref_logp"] = ref_logp
 
     # 4. optimizer steps over global batches of packed micro-batches
-    t0 = time.perf_counter()
+    t0 = clock()
     train_metrics: list[dict[str, float]] = []
     gbs = cfg.train.global_batch_size
     trained_tokens = 0
@@ -104,17 +115,16 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         if state.worker.bad_steps > cfg.train.max_bad_steps:
             raise FloatingPointError(f"{state.worker.bad_steps} steps had a NaN/inf loss or gradient "
                                      f"(--max-bad-steps {cfg.train.max_bad_steps}); stopping")
-    train_time = time.perf_counter() - t0
+    train_time = clock() - t0
 
-    # 5. weight sync: the engine gets the new weights before the next rollout
-    t0 = time.perf_counter()
-    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
-                                                              version=str(rollout_id + 1)))
-    sync_time = time.perf_counter() - t0
+    # 5. weight sync: planned buckets into the engine (resuming its memory around them when offloaded)
+    t0 = clock()
+    state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
+    sync_time = clock() - t0
 
     if state.kl_controller and kl is not None:
         state.kl_controller.update(float(kl[loss_masks].mean()), len(samples))
-    step_time = time.perf_counter() - step_start
+    step_time = clock() - step_start
     trained = [m for m in train_metrics if not m["skipped"]] or train_metrics
     mean = lambda key: sum(m.get(key, 0.0) for m in trained) / len(trained)  # noqa: E731
     metrics.update({
@@ -124,7 +134,9 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         "train/skipped_steps": sum(m["skipped"] for m in train_metrics),
         "train/kl_coef": kl_coef,
         "perf/rollout_time": rollout_time, "perf/logprob_time": logprob_time, "perf/train_time": train_time,
-        "perf/update_weights_time": sync_time, "perf/step_time": step_time,
+        "perf/update_weights_time": sync_time, "perf/offload_rollout_time": offload_time,
+        "perf/step_time": step_time,
+        "perf/idle_time": step_time - (rollout_time + offload_time + logprob_time + train_time + sync_time),
         "perf/tokens_per_gpu_per_sec": trained_tokens / train_time,
         "perf/train_tflops": 6 * state.worker.num_parameters * trained_tokens / train_time / 1e12,
     })

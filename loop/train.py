@@ -44,11 +44,12 @@ def layer_backend_for(config, name: str):
     return layer_backend(name, **options.get(name, {}))
 
 
-def build(config, console: Console):
-    """``(RunState, tokenizer)`` for a validated config."""
+def build(config, console: Console, *, log_dir: Path = Path("logs")):
+    """``(RunState, tokenizer)`` for a validated config; engine server logs (SGLang) go to ``log_dir``."""
     from transformers import AutoTokenizer
 
-    from redline.loop.rollout_setup import build_rollout
+    from redline.loop.rollout_setup import build_rollout, resolve_engine
+    from redline.loop.weight_sync import WeightSync
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
 
@@ -60,8 +61,6 @@ def build(config, console: Console):
     model = from_pretrained(config.model.hf_checkpoint, backend=layer_backend_for(config, backend), dtype=dtype,
                             device=device)
     apply_recompute(model, config.model.recompute)
-    loop = asyncio.new_event_loop()
-    engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype)
     loss_cfg = loss_config(config)
     total_steps = config.rollout.num_rollout * config.train.num_steps_per_rollout
     worker = TrainerWorker(model, config.train, total_steps=total_steps,
@@ -77,8 +76,18 @@ def build(config, console: Console):
         critic = CriticWorker(decoder,
                               config.train, total_steps=total_steps, value_clip=config.algo.value_clip,
                               lr=config.algo.critic_lr)
-    return RunState(config=config, worker=worker, rollout=rollout, engine=engine, loss_cfg=loss_cfg,
-                    kl_controller=kl_controller, loop=loop, critic=critic), tokenizer
+    # the engine last: a failure while building the trainer leaves no launched server behind
+    loop = asyncio.new_event_loop()
+    engine_name = resolve_engine(config)
+    if engine_name == "embedded" and config.rollout.embedded_engine_process:
+        engine_name += " (own process)"
+    console.print(f"rollout engine: {engine_name}")
+    engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
+    weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
+                             offload=config.sync.offload_rollout)
+    console.print(weight_sync.describe())
+    return RunState(config=config, worker=worker, rollout=rollout, engine=engine, weight_sync=weight_sync,
+                    loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic), tokenizer
 
 
 def trainer_state(state: RunState) -> dict:
@@ -100,8 +109,7 @@ def restore(state: RunState, folder: Path) -> int:
     if state.critic and saved.get("critic"):
         state.critic.load_state_dict(saved["critic"])
     checkpoint.set_rng_state(saved["rng"])
-    state.loop.run_until_complete(state.engine.update_weights([list(state.worker.model.export_hf())],
-                                                              version=str(saved["rollout_id"] + 1)))
+    state.loop.run_until_complete(state.weight_sync.push(str(saved["rollout_id"] + 1)))
     return saved["rollout_id"] + 1
 
 
@@ -121,7 +129,19 @@ def run(config, config_path=None) -> int:
 
     metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
                          config=to_mapping(config))
-    state, tokenizer = build(config, console)
+    state, tokenizer = build(config, console, log_dir=out / "logs")
+    try:
+        report = _train(state, tokenizer, metrics, out, console, config_path)
+    finally:
+        metrics.close()
+        state.loop.run_until_complete(state.engine.shutdown())
+    console.print(f"report: {report}")
+    return 0
+
+
+def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, config_path) -> Path:
+    """Warm-up or resume, the rollout loop, eval, checkpoints; returns the report's path."""
+    config = state.config
     start = 0
     if config.checkpoint.load:
         folder = checkpoint.resolve(config.checkpoint.load)
@@ -148,13 +168,9 @@ def run(config, config_path=None) -> int:
     if config.checkpoint.save_hf:
         state.worker.model.save_pretrained(config.checkpoint.save_hf)
         checkpoint.copy_tokenizer(Path(config.model.hf_checkpoint), Path(config.checkpoint.save_hf))
-    report = metrics.report(f"redline run {config.checkpoint.run_name}", [
+    return metrics.report(f"redline run {config.checkpoint.run_name}", [
         f"config: {config_path}", f"output: {out}", f"RL steps: {config.rollout.num_rollout - start} in "
         f"{time.perf_counter() - began:.1f} s"])
-    metrics.close()
-    state.loop.run_until_complete(state.engine.shutdown())
-    console.print(f"report: {report}")
-    return 0
 
 
 def _progress_line(step: int, total: int, m: dict, sft_only: bool) -> str:
@@ -163,7 +179,7 @@ def _progress_line(step: int, total: int, m: dict, sft_only: bool) -> str:
     return (f"[{step}/{total}] reward {m['rollout/reward_mean']:.3f} · len {m['rollout/response_len_mean']:.1f} · "
             f"pg {m['train/pg_loss']:+.4f} · kl {m['train/kl']:.4f} · ent {m['train/entropy']:.3f} · "
             f"rollout {m['perf/rollout_time']:.2f}s train {m['perf/train_time']:.2f}s "
-            f"sync {m['perf/update_weights_time'] * 1e3:.0f}ms")
+            f"sync {m['perf/update_weights_time'] * 1e3:.0f}ms idle {m['perf/idle_time'] * 1e3:.0f}ms")
 
 
 def _write_config(config, out: Path) -> None:

@@ -92,11 +92,38 @@ def check_backends(config) -> None:
         raise ConfigError("--backend te needs TransformerEngine: pip install 'redline[te]'")
     if backend in ("te", "native") and not torch.cuda.is_available():
         raise ConfigError(f"--backend {backend} is FP8 and needs a CUDA GPU; use --backend bf16 on this machine")
-    if config.rollout.rollout_engine == "sglang":
-        raise ConfigError("--rollout-engine sglang: `redline train` drives the embedded engine only so far; "
-                          "SGLang engines are usable through redline.rollout directly")
     if config.model.dtype == "float16":
         raise ConfigError("--dtype float16 is not supported for training (use bfloat16 or float32)")
+
+
+def check_engine(config) -> None:
+    """The rollout engine can run here and its options fit it."""
+    import torch
+
+    from redline.loop.rollout_setup import resolve_engine
+
+    r = config.rollout
+    if resolve_engine(config) != "sglang":
+        if r.sglang_server_urls:
+            raise ConfigError(f"--sglang-server-urls attaches SGLang servers, but the rollout engine is "
+                              f"{resolve_engine(config)}: add --rollout-engine sglang")
+        return
+    if r.embedded_engine_process:
+        raise ConfigError("--embedded-engine-process applies to the embedded engine; with --rollout-engine sglang "
+                          "the engine already runs in its own process")
+    if not available("sglang"):
+        raise ConfigError("--rollout-engine sglang needs SGLang, which is not installed: pip install "
+                          "'redline[sglang]' (or use --rollout-engine embedded)")
+    if not available("aiohttp"):
+        raise ConfigError("--rollout-engine sglang needs aiohttp for its HTTP client: pip install 'redline[sglang]'")
+    if not torch.cuda.is_available():
+        raise ConfigError("--rollout-engine sglang needs a CUDA GPU (SGLang serves on GPUs and receives weights "
+                          "by CUDA IPC); none is visible. Use --rollout-engine embedded on this machine")
+    if not 0 < r.sglang_mem_fraction_static < 1:
+        raise ConfigError(f"--sglang-mem-fraction-static must be between 0 and 1, got {r.sglang_mem_fraction_static}")
+    for arg in r.sglang_args:
+        if arg.split("=", 1)[0] in ("--mem-fraction-static", "--sglang-mem-fraction-static"):
+            raise ConfigError(f"--sglang-args {arg}: set the memory fraction with --sglang-mem-fraction-static")
 
 
 def check_placement(config) -> None:
@@ -128,7 +155,10 @@ def validate(config) -> None:
     if config.algo.kl_target is not None and config.algo.kl_coef <= 0:
         raise ConfigError("--kl-target adapts --kl-coef, which must then be > 0")
     check_backends(config)
+    check_engine(config)
     check_placement(config)
+    if config.sync.update_weight_buffer_size < 1:
+        raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
     try:
         loss_config(config)
     except ValueError as exc:

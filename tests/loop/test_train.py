@@ -37,13 +37,15 @@ def test_run_writes_metrics_plots_report_and_tensorboard(finished_run):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     for key in ["rollout/reward_mean", "rollout/response_len_mean", "train/pg_loss", "train/kl", "train/entropy",
                 "train/clipfrac", "train/grad_norm", "train/lr", "train/rollout_logprob_abs_diff",
-                "perf/rollout_time", "perf/train_time", "perf/update_weights_time", "perf/step_time",
+                "perf/rollout_time", "perf/logprob_time", "perf/train_time", "perf/update_weights_time",
+                "perf/offload_rollout_time", "perf/idle_time", "perf/step_time",
                 "perf/tokens_per_gpu_per_sec", "perf/train_tflops"]:
         assert all(key in r and math.isfinite(r[key]) for r in rows[1:]), key
     assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2]
     for name in ["reward.png", "kl.png", "entropy.png", "phase_times.png", "report.md", "config.toml"]:
         assert (finished_run / name).is_file(), name
     assert any((finished_run / "tensorboard").iterdir())
+    assert "Step-time breakdown, mean of steps 2–4" in (finished_run / "report.md").read_text()
 
 
 def test_one_step_per_rollout_reuses_old_logprobs_exactly(finished_run):

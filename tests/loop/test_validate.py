@@ -98,3 +98,66 @@ def test_placements_the_loop_cannot_run_are_rejected(model_dir, data_file):
         validate(config_with(model_dir, data_file, tensor_model_parallel_size="2"))
     with pytest.raises(ConfigError, match="--no-colocate"):
         validate(config_with(model_dir, data_file, colocate="false"))
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Pretend which optional packages are installed and whether a GPU is visible."""
+    import torch
+
+    from redline import extras
+    from redline.loop import validate as validate_module
+
+    def pretend(*, installed=(), gpu=False):
+        present = lambda module: module in installed  # noqa: E731
+        monkeypatch.setattr(extras, "available", present)
+        monkeypatch.setattr(validate_module, "available", present)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    return pretend
+
+
+def test_sglang_engine_needs_sglang_installed(model_dir, data_file, machine):
+    machine(installed=("aiohttp",), gpu=True)
+    with pytest.raises(ConfigError, match=r"--rollout-engine sglang needs SGLang, which is not installed: "
+                                          r"pip install 'redline\[sglang\]'"):
+        validate(config_with(model_dir, data_file, rollout_engine="sglang"))
+
+
+def test_sglang_engine_needs_a_gpu(model_dir, data_file, machine):
+    machine(installed=("sglang", "aiohttp"), gpu=False)
+    with pytest.raises(ConfigError, match="--rollout-engine sglang needs a CUDA GPU"):
+        validate(config_with(model_dir, data_file, rollout_engine="sglang"))
+
+
+def test_sglang_options_are_checked(model_dir, data_file, machine):
+    machine(installed=("sglang", "aiohttp"), gpu=True)
+    validate(config_with(model_dir, data_file, rollout_engine="sglang"))
+    with pytest.raises(ConfigError, match="--sglang-mem-fraction-static must be between 0 and 1, got 1.5"):
+        validate(config_with(model_dir, data_file, rollout_engine="sglang", sglang_mem_fraction_static="1.5"))
+    with pytest.raises(ConfigError, match="set the memory fraction with --sglang-mem-fraction-static"):
+        validate(config_with(model_dir, data_file, rollout_engine="sglang",
+                             sglang_args="--mem-fraction-static=0.3"))
+    with pytest.raises(ConfigError, match="--embedded-engine-process applies to the embedded engine"):
+        validate(config_with(model_dir, data_file, rollout_engine="sglang", embedded_engine_process="true"))
+
+
+def test_attaching_servers_needs_the_sglang_engine(model_dir, data_file, machine):
+    machine(installed=(), gpu=False)
+    with pytest.raises(ConfigError, match="--sglang-server-urls attaches SGLang servers, but the rollout engine is "
+                                          "embedded: add --rollout-engine sglang"):
+        validate(config_with(model_dir, data_file, sglang_server_urls="http://127.0.0.1:30000"))
+
+
+@pytest.mark.parametrize("installed,gpu,expected", [(("sglang",), True, "sglang"), (("sglang",), False, "embedded"),
+                                                    ((), True, "embedded"), ((), False, "embedded")])
+def test_auto_engine_is_sglang_only_where_it_can_run(machine, installed, gpu, expected):
+    from redline.loop.rollout_setup import resolve_engine
+
+    machine(installed=installed, gpu=gpu)
+    assert resolve_engine(RunConfig()) == expected
+    assert resolve_engine(apply_overrides(RunConfig(), {"rollout_engine": "embedded"})) == "embedded"
+
+
+def test_weight_buffer_size_must_be_positive(model_dir, data_file):
+    with pytest.raises(ConfigError, match="--update-weight-buffer-size must be >= 1 byte, got 0"):
+        validate(config_with(model_dir, data_file, update_weight_buffer_size="0"))

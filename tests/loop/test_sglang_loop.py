@@ -1,0 +1,59 @@
+"""One RL step against SGLangEngine attached by URL to the stand-in server: the step generates through
+/generate and pushes the plan's buckets through /update_weights_from_tensor, inside the two-stage memory
+sequence. The CUDA-IPC serialization (which needs SGLang and a GPU) is replaced by a recorder."""
+
+import pytest
+from rich.console import Console
+
+pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
+
+from redline.configfile import apply_overrides  # noqa: E402
+from redline.loop.builtin import materialize  # noqa: E402
+from redline.loop.step import rl_step  # noqa: E402
+from redline.loop.train import build  # noqa: E402
+from redline.rollout.engine import SerializedBucket  # noqa: E402
+from redline.rollout.sglang import engine as sglang_engine  # noqa: E402
+from redline.sync.plan import plan_for  # noqa: E402
+
+from tests.rollout.fake_sglang import FakeSGLang  # noqa: E402
+
+from .test_train import small_config  # noqa: E402
+
+BUCKET_BYTES = 128 * 1024
+
+
+@pytest.mark.parametrize("version,session", [("0.5.17", False), ("0.5.23", True)])
+def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, session):
+    serialized = []
+
+    def fake_serialize(named_tensors, tp_size=1):
+        serialized.append([name for name, _ in named_tensors])
+        return SerializedBucket(per_rank=(f"bucket-{len(serialized) - 1}",) * tp_size)
+
+    monkeypatch.setattr(sglang_engine, "serialize_bucket", fake_serialize)
+    with FakeSGLang(version=version, busy_flushes=0) as server:
+        config = small_config(tmp_path, sft_steps="0", rollout_engine="sglang", sglang_server_urls=server.url,
+                              offload_rollout="true", update_weight_buffer_size=str(BUCKET_BYTES))
+        config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
+        state, _ = build(config, Console(quiet=True))
+        try:
+            metrics = rl_step(state, 0)
+        finally:
+            state.loop.run_until_complete(state.engine.shutdown())
+
+    plan = plan_for(state.worker.model.export_hf(), BUCKET_BYTES)
+    assert serialized == [b.names for b in plan.buckets]
+    paths = server.paths()
+    samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    assert paths[:samples] == ["/generate"] * samples
+    updates = ["/update_weights_from_tensor"] * len(plan.buckets)
+    if session:  # >= 0.5.21 takes updates only inside a begin/end session
+        updates = ["/begin_weight_update", *updates, "/end_weight_update"]
+    assert paths[samples:] == ["/release_memory_occupation", "/resume_memory_occupation", *updates,
+                               "/flush_cache", "/resume_memory_occupation"]
+    tags = [body["tags"] for path, body in server.calls if "memory_occupation" in path]
+    assert tags == [["kv_cache", "cuda_graph", "weights"], ["weights"], ["kv_cache", "cuda_graph"]]
+    sent = [body for path, body in server.calls if path == "/update_weights_from_tensor"]
+    assert [b["serialized_named_tensors"] for b in sent] == [[f"bucket-{i}"] for i in range(len(plan.buckets))]
+    assert {b["weight_version"] for b in sent} == {"1"}
+    assert metrics["rollout/response_len_mean"] > 0 and metrics["perf/update_weights_time"] > 0
