@@ -251,8 +251,9 @@ def scaling_main(argv=None):
     (the same tokens, and for PP the same micro-batches run one after another), then the parallel model; each
     time is a median over rounds, the baseline the fastest rank's and the parallel time the slowest rank's, and
     ``scaling_efficiency = t_single / (gpus * t_parallel)`` (1.0 = linear). Writes
-    ``OUT/scaling-<shape>-<backend>-tp<N>[-sp]-pp<M>.json`` and ``.md`` per backend and rewrites
-    ``OUT/scaling.md`` with every result in OUT.
+    ``OUT/scaling-<shape>-<backend>-tp<N>[-sp]-pp<M>[-m<micro-batches>].json`` and ``.md`` per backend and
+    rewrites ``OUT/scaling.md`` with every result in OUT. The pipeline bubble alone caps PP efficiency at
+    ``m / (m + pp - 1)`` for ``m`` micro-batches (8/9 = 89% at the default 8 and pp=2).
     """
     import argparse
     import json
@@ -333,7 +334,8 @@ def scaling_main(argv=None):
         t_parallel_worst = reduce(t_parallel, dist.ReduceOp.MAX)
         peak_gib = reduce(torch.cuda.max_memory_allocated() / 2**30, dist.ReduceOp.MAX)
         flops = layer_flops(model.spec, args.tokens, pieces, args.layers)
-        tag = f"scaling-{args.shape}-{backend_name}-tp{args.tp}{'-sp' if args.sp else ''}-pp{args.pp}"
+        tag = (f"scaling-{args.shape}-{backend_name}-tp{args.tp}{'-sp' if args.sp else ''}-pp{args.pp}"
+               + (f"-m{pieces}" if args.pp > 1 else ""))
         result = {
             "shape": args.shape, "backend": backend_name, "attention": impl, "layers": args.layers,
             "tokens": args.tokens, "sequences_or_micro_batches": pieces, "tp": args.tp, "sp": args.sp,
@@ -383,13 +385,15 @@ def _scaling_step(model, micro, max_seqlen):
 def scaling_markdown(results: list[dict]) -> str:
     """A markdown table of scaling results (``scaling_main``'s JSON records)."""
     lines = ["# decoder-stack scaling", "",
-             "| device | shape | backend | attention | tp | sp | pp | gpus | 1 GPU ms | parallel ms | speedup | "
-             "efficiency | tok/s | TFLOP/s/GPU | comm ms (rank 0) |",
-             "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| device | shape | backend | attention | tp | sp | pp | sequences / micro-batches | gpus | 1 GPU ms | "
+             "parallel ms | speedup | efficiency | tok/s | TFLOP/s/GPU | comm ms (rank 0) |",
+             "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "---: |"]
     for r in results:
         comm = r.get("rank0_kernel_ms", {}).get("comm_ms")
         lines.append(f"| {r['device']} | {r['shape']} x{r['layers']} | {r['backend']} | {r.get('attention', '')} | "
-                     f"{r['tp']} | {'yes' if r['sp'] else 'no'} | {r['pp']} | {r['gpus']} | "
+                     f"{r['tp']} | {'yes' if r['sp'] else 'no'} | {r['pp']} | "
+                     f"{r.get('sequences_or_micro_batches', '')} | {r['gpus']} | "
                      f"{r['single_gpu_ms']:.2f} | {r['parallel_ms']:.2f} | {r['speedup']:.2f} | "
                      f"{r['scaling_efficiency']:.1%} | {r['tokens_per_s']:.0f} | {r['model_tflops_per_gpu']:.0f} | "
                      f"{'' if comm is None else f'{comm:.2f}'} |")

@@ -54,3 +54,37 @@ def test_layer_flops_counts_gemms_and_causal_attention(bench):
     gemm_params = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336
     attention_fwd = 4 * 2 * 4096 ** 2 * 32 * 128
     assert bench.layer_flops(spec, 16384, 4, 1) == 6 * 16384 * gemm_params + 3.5 * attention_fwd
+
+
+def scaling_step_worker(rank, store, tp, pp, sp):
+    import torch
+    import torch.distributed as dist
+
+    from redline.trainer.parallel import ParallelConfig
+    from tests.trainer.conftest import tiny_config
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_layers_in_worker", BENCH)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        config = tiny_config("qwen3")
+        input_ids = torch.randint(0, config.vocab_size, (32,), generator=torch.Generator().manual_seed(0))
+        if pp > 1:  # the benchmark's PP layout: one 8-token sequence per micro-batch
+            micro = [(input_ids[i * 8:(i + 1) * 8], torch.tensor([0, 8], dtype=torch.int32)) for i in range(4)]
+        else:
+            micro = [(input_ids, torch.arange(0, 33, 8, dtype=torch.int32))]
+        model = bench.from_config(config, dtype=torch.float32, seed=0, parallel=ParallelConfig(tp=tp, pp=pp, sp=sp))
+        bench._scaling_step(model, micro, 8)()
+        for name, param in model.layers.named_parameters():
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp, sp", [(2, 1, True), (1, 2, False)], ids=["tp2-sp", "pp2"])
+def test_scaling_step_runs_a_parallel_training_step(tmp_path, tp, pp, sp):
+    import torch.multiprocessing as mp
+
+    mp.spawn(scaling_step_worker, args=(str(tmp_path / "store"), tp, pp, sp), nprocs=2, join=True)

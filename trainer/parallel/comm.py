@@ -17,12 +17,16 @@ function                 forward                     backward
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn there); torch 2.11 has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     size = dist.get_world_size(group)
     if dim == 0:  # straight into the output: no list of parts and no concatenation copy
         out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather_single(out, x.contiguous(), group=group)
         return out
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -34,7 +38,7 @@ def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence parallelism needs the token count ({x.shape[0]}) divisible by tp={size}")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
