@@ -18,12 +18,13 @@ needs a fresh process) and writes ``OUT/te-attention.json``, ``OUT/te-attention.
 * redline's own varlen attention (flash-attn-4 varlen or SDPA) on the same cases;
 * what the ``te`` layer backend's ``attention="auto"`` picks in that process.
 
-Variants (``--variants`` picks some): ``plain`` (inherited environment), ``ld-cudnn`` (LD_LIBRARY_PATH = torch's
-pip cuDNN: last session's setting), ``ld-pip-all`` (every pip ``nvidia/*/lib``), ``redline`` (in-process
-``prepare_te_libraries()``, torch used cuDNN first: the default path now), ``redline-te-first`` (same, TE
-imported before torch touches cuDNN), ``redline-env`` (``te_library_env()`` exported + prepare),
-``system-cudnn`` (the image's cuDNN first on LD_LIBRARY_PATH and CUDNN_HOME), ``redline-fused-1``
-(``redline`` with ``NVTE_FUSED_ATTN_BACKEND=1``, cuDNN's arbitrary-seqlen kernels).
+Variants (``--variants`` picks some), in the order they run so that a cut-off run still says the most:
+``redline`` (in-process ``prepare_te_libraries()`` after torch used cuDNN: the default path now), ``ld-cudnn``
+(LD_LIBRARY_PATH = torch's pip cuDNN: last session's setting), ``plain`` (inherited environment),
+``redline-te-first`` (as ``redline``, TE imported before torch touches cuDNN), ``system-cudnn`` (the image's
+cuDNN first on LD_LIBRARY_PATH and CUDNN_HOME), ``ld-pip-all`` (every pip ``nvidia/*/lib``), ``redline-env``
+(``te_library_env()`` exported + prepare), ``redline-fused-1`` (``redline`` with ``NVTE_FUSED_ATTN_BACKEND=1``,
+cuDNN's arbitrary-seqlen kernels).
 """
 
 import argparse
@@ -90,7 +91,8 @@ def variants() -> dict[str, dict]:
     if system:
         found["system-cudnn"] = {"env": {**off, "LD_LIBRARY_PATH": f"{system}:{base_ld}", "CUDNN_HOME": system,
                                          "CUDNN_PATH": system}, "prepare": False, "torch_cudnn_first": False}
-    order = ["plain", "ld-cudnn", "ld-pip-all", "redline", "redline-te-first", "redline-env", "system-cudnn",
+    # the path redline takes now first, then last session's failing setting, so a cut-off run still tells most
+    order = ["redline", "ld-cudnn", "plain", "redline-te-first", "system-cudnn", "ld-pip-all", "redline-env",
              "redline-fused-1"]
     return {name: found[name] for name in order if name in found}
 
