@@ -7,16 +7,18 @@ rendezvous at ``tcp://addr:port``, then ``PrefixStore(group_name, store)``, then
 ``_new_process_group_helper`` — otherwise the two sides look up different store keys and both wait out the
 timeout without a word (tokenspeed#1373). ``init_weight_update_group`` is that construction.
 
-Per bucket the sender packs into one of ``num_slots`` staging buffers and starts an async broadcast of its
-bytes; a slot is packed again only after the broadcast that read it completed (``work.wait()``: a device-side
-wait for NCCL, so the host keeps packing). Receivers get the bytes into a buffer laid out like SGLang's
-``FlattenedTensorBucket.empty`` (the plan's layout) and load views of it.
+Per bucket the sender packs into one of ``num_slots`` staging buffers (kept across syncs) and starts an async
+broadcast of its bytes; a slot is packed again only after the broadcast that read it completed
+(``work.wait()``: a device-side wait for NCCL, so the host keeps packing). Receivers get the bytes into one of
+two buffers (kept across syncs) laid out like SGLang's ``FlattenedTensorBucket.empty`` (the plan's layout): the
+receive of bucket k+1 is posted before bucket k is loaded, so loading overlaps the next transfer and the link
+stays busy. Packing and loading accumulate the bucket checksums in the same pass
+(``redline.sync.bucket_copy``).
 
-Check: each side keeps per-bucket checksums on device; ``finish`` (a collective over the group, called by
-the sender and by every redline receiver after the last bucket) broadcasts the sender's checksums, each
-receiver compares, and a MAX all-reduce of the per-bucket mismatch flags lets every rank raise
-``ChecksumMismatch`` naming the buckets. SGLang receivers do not take part in ``finish``; use
-``verify=False`` for groups that contain them.
+Check: each side keeps per-bucket checksums on device; after the last bucket (a collective over the group,
+run by the sender and by every redline receiver) the sender's checksums are broadcast, each receiver
+compares, and a MAX all-reduce of the per-bucket mismatch flags lets every rank raise ``ChecksumMismatch``
+naming the buckets. SGLang receivers do not take part; use ``verify=False`` for groups that contain them.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from redline.sync.checksum import bucket_checksum
+from redline.sync.bucket_copy import BucketCopier
+from redline.sync.checksum import bucket_checksum, fold, new_accumulator
 from redline.sync.plan import BucketLayout, WeightPlan, bucketize
-from redline.sync.protocol import ChecksumMismatch, NamedViews, SyncReport
+from redline.sync.protocol import ChecksumMismatch, NamedViews, SyncReport, layout_spans
 
 DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
 
@@ -82,7 +85,7 @@ class BroadcastSender:
     """
 
     def __init__(self, group: dist.ProcessGroup, plan: WeightPlan, device: torch.device, *, num_slots: int = 2,
-                 verify: bool = True):
+                 verify: bool = True, copier: BucketCopier | None = None):
         if group.rank() != 0:
             raise ValueError(f"the broadcast source must be rank 0 of the group, this process is rank "
                              f"{group.rank()}")
@@ -90,49 +93,74 @@ class BroadcastSender:
             raise ValueError("the weight plan has no buckets: nothing to sync")
         self.group, self.plan, self.device, self.verify = group, plan, torch.device(device), verify
         self.num_slots = min(num_slots, len(plan.buckets))
+        self.copier = copier or BucketCopier()
+        self._slots: list[torch.Tensor] = []
+        self._acc = new_accumulator(len(plan.buckets), self.device)
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
              announce: Callable[[BucketLayout], None] | None = None) -> SyncReport:
         start = time.perf_counter()
-        slots = [torch.empty(self.plan.capacity, dtype=torch.uint8, device=self.device)
-                 for _ in range(self.num_slots)]
-        works, sums = [], []
+        if not self._slots:
+            self._slots = [torch.empty(self.plan.capacity, dtype=torch.uint8, device=self.device)
+                           for _ in range(self.num_slots)]
+        acc = self._acc.zero_()
+        works = []
         for layout, tensors in bucketize(self.plan, named_tensors):
-            slot = slots[layout.index % self.num_slots]
+            slot = self._slots[layout.index % self.num_slots]
             if layout.index >= self.num_slots:
                 works[layout.index - self.num_slots].wait()  # the broadcast reading this slot is done
-            torch._foreach_copy_([m.view(slot) for m in layout.tensors], list(tensors))
-            if self.verify:
-                sums.append(bucket_checksum(slot, layout.nbytes))
+            self.copier.pack(slot, layout.nbytes, layout_spans(layout), tensors, acc[layout.index])
             if announce is not None:
                 announce(layout)
             works.append(dist.broadcast(slot[:layout.nbytes], group_src=0, group=self.group, async_op=True))
         for work in works[-self.num_slots:]:
             work.wait()
         if self.verify:
-            _compare(self.group, torch.stack(sums), self.plan)
+            _compare(self.group, fold(acc), self.plan)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return SyncReport("broadcast", len(works), self.plan.nbytes, time.perf_counter() - start, 0.0)
 
 
 class BroadcastReceiver:
-    """A redline engine GPU in the group: receive every bucket of the plan and ``load`` its views."""
+    """A redline engine GPU in the group: receive every bucket of the plan and ``load`` it.
+
+    ``load`` gets ``[(hf_name, view)]`` per bucket, or, when it has one, its ``load_bucket(flat, layout, acc,
+    row_stride)`` is called (``TargetLoader``: copy + checksum in one pass). Keep the receiver for the next
+    sync: its two receive buffers are allocated once."""
 
     def __init__(self, group: dist.ProcessGroup, plan: WeightPlan, device: torch.device, *, verify: bool = True):
         self.group, self.plan, self.device, self.verify = group, plan, torch.device(device), verify
+        self._buffers: list[torch.Tensor] = []
+        self._acc = new_accumulator(len(plan.buckets), self.device)
 
     def sync(self, load: Callable[[NamedViews], None]) -> None:
         """Receive and load all buckets; with ``verify``, join the checksum comparison (raises on mismatch)."""
-        sums = []
-        for layout in self.plan.buckets:
-            buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-            dist.broadcast(buffer, group_src=0, group=self.group)
-            load(layout.views(buffer))
-            if self.verify:
-                sums.append(bucket_checksum(buffer, layout.nbytes))
+        if not self._buffers:
+            self._buffers = [torch.empty(self.plan.capacity, dtype=torch.uint8, device=self.device)
+                             for _ in range(min(2, len(self.plan.buckets)))]
+        acc = self._acc.zero_()
+        fused = getattr(load, "load_bucket", None)
+        buckets = self.plan.buckets
+        pending = self._post(buckets[0])
+        for layout in buckets:
+            work, buffer = pending
+            if layout.index + 1 < len(buckets):
+                # posted before this bucket's load is queued: the transfer of k+1 overlaps the load of k, and
+                # its buffer's previous load (k-1) is already queued, so NCCL waits for it
+                pending = self._post(buckets[layout.index + 1])
+            work.wait()
+            if fused is not None:
+                fused(buffer, layout, acc[layout.index], 1)
+            else:
+                load(layout.views(buffer))
+                acc[layout.index, 0] += bucket_checksum(buffer, layout.nbytes)
         if self.verify:
-            _compare(self.group, torch.stack(sums), self.plan)
+            _compare(self.group, fold(acc), self.plan)
+
+    def _post(self, layout: BucketLayout):
+        buffer = self._buffers[layout.index % len(self._buffers)]
+        return dist.broadcast(buffer[:layout.nbytes], group_src=0, group=self.group, async_op=True), buffer
 
 
 def _compare(group: dist.ProcessGroup, local: torch.Tensor, plan: WeightPlan) -> None:

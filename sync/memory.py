@@ -3,7 +3,9 @@
 Tensors allocated inside ``with memory.region():`` (parameters, gradients, optimizer state, activations) live
 in virtual-memory allocations of ``native/vmm_allocator.cpp``. ``pause()`` releases their physical memory
 (optionally keeping the contents in pinned host memory) and ``resume()`` maps new memory at the same
-addresses, so every tensor, pointer and CUDA graph stays valid.
+addresses, so every tensor, pointer and CUDA graph stays valid. The pinned host buffers that hold paused
+contents are made at the first pause that keeps contents and reused by every later one (pinning costs far
+more than copying); ``release_host_memory()`` gives them back.
 
 Rules of use:
 
@@ -28,6 +30,9 @@ import torch
 
 NATIVE_LIBRARY = "libredline_native.so"
 ALLOC_FN, FREE_FN = "redline_vmm_malloc", "redline_vmm_free"
+STAT_NAMES = ("mapped_bytes", "reserved_bytes", "host_backup_bytes", "host_allocations", "allocation_count")
+_EXPORTS = [f"redline_vmm_{name}" for name in ("malloc", "free", "pause", "resume", "release_host", "last_error",
+                                                "use_fake_driver", *STAT_NAMES)]
 
 
 class NativeLibraryMissing(RuntimeError):
@@ -51,7 +56,13 @@ def native_library_path() -> Path:
 @lru_cache(maxsize=None)
 def load_native(path: str | None = None) -> ctypes.CDLL:
     """The native library with its C signatures declared (loading needs no GPU: libcuda is looked up lazily)."""
-    lib = ctypes.CDLL(str(path or native_library_path()))
+    path = str(path or native_library_path())
+    lib = ctypes.CDLL(path)
+    missing = [name for name in _EXPORTS if not hasattr(lib, name)]
+    if missing:
+        raise NativeLibraryMissing(f"redline's native library {path} is out of date (it lacks {missing}); rebuild "
+                                   "it: pip install -e . --no-build-isolation (or cmake --build build/native and "
+                                   "copy libredline_native.so next to redline/sync/memory.py)")
     lib.redline_vmm_malloc.restype = ctypes.c_void_p
     lib.redline_vmm_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.redline_vmm_free.restype = None
@@ -60,8 +71,9 @@ def load_native(path: str | None = None) -> ctypes.CDLL:
     lib.redline_vmm_pause.argtypes = [ctypes.c_int]
     lib.redline_vmm_resume.restype = ctypes.c_int
     lib.redline_vmm_resume.argtypes = []
-    for name in ("mapped_bytes", "reserved_bytes", "host_backup_bytes", "allocation_count"):
+    for name in STAT_NAMES + ("release_host",):
         getattr(lib, f"redline_vmm_{name}").restype = ctypes.c_size_t
+    lib.redline_vmm_use_fake_driver.restype = ctypes.c_int
     lib.redline_vmm_last_error.restype = ctypes.c_char_p
     return lib
 
@@ -90,21 +102,28 @@ class PausableMemory:
 
     def pause(self, keep_contents: bool = True) -> None:
         """Release the physical memory of every pausable allocation (contents copied to pinned host memory
-        first when ``keep_contents``). Waits for all queued device work."""
+        first when ``keep_contents``, all copies queued back to back on one stream). Waits for all queued
+        device work."""
         torch.cuda.synchronize(self.device)
         self._check(self.lib.redline_vmm_pause(int(keep_contents)), "pause")
         self.paused = True
 
     def resume(self) -> None:
-        """Map physical memory back at the same addresses and restore kept contents."""
+        """Map physical memory back at the same addresses and restore kept contents (the pinned host buffers
+        stay allocated for the next pause)."""
         self._check(self.lib.redline_vmm_resume(), "resume")
         self.paused = False
 
+    def release_host_memory(self) -> int:
+        """Free the pinned host buffers kept for later pauses (not those holding paused contents); returns the
+        bytes freed. The next pause with contents pins new ones."""
+        return int(self.lib.redline_vmm_release_host())
+
     def stats(self) -> dict[str, int]:
-        """Bytes mapped (physically backed), reserved (address space), held in pinned host memory, and the
-        number of live allocations of the native allocator (whole process)."""
-        return {name: int(getattr(self.lib, f"redline_vmm_{name}")())
-                for name in ("mapped_bytes", "reserved_bytes", "host_backup_bytes", "allocation_count")}
+        """Bytes mapped (physically backed), reserved (address space), held in pinned host memory (holding
+        paused contents or kept for the next pause), pinned host buffers made so far, and the number of live
+        allocations of the native allocator (whole process)."""
+        return {name: int(getattr(self.lib, f"redline_vmm_{name}")()) for name in STAT_NAMES}
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:

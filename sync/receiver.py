@@ -13,15 +13,21 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from redline.sync.protocol import NamedViews, serve
+from redline.sync.bucket_copy import BucketCopier
+from redline.sync.plan import BucketLayout
+from redline.sync.protocol import NamedViews, layout_spans, serve
 from redline.sync.transport import CudaIpcTransport, SharedMemoryTransport, Transport
 
 
 class TargetLoader:
     """``load`` callable for ``serve``: copy each ``(name, view)`` into ``targets[name]``.
 
-    Copies are queued on the current stream (one multi-tensor launch per bucket on CUDA); the protocol makes
-    the sender wait for them before it reuses the slot. ``strict``: a name the target lacks raises KeyError
+    ``serve`` calls ``load_bucket``: one fused launch per bucket copies the slot into the targets and
+    accumulates the bucket's checksum in the same pass (``redline.sync.bucket_copy``; targets are resolved
+    once per bucket layout and re-checked by identity, so their addresses may change between syncs, e.g. after
+    an engine released and resumed its weights). Calling the loader with ``[(name, view)]`` copies with one
+    ``_foreach_copy_``. Copies are queued on the current stream; the protocol makes the sender wait for them
+    before it reuses the slot. ``strict``: a name the target lacks raises KeyError
     (naming it); otherwise such names are skipped and counted in ``skipped``. Shape or dtype disagreement
     always raises ValueError naming the tensor. ``loaded`` collects the names written since the last
     ``reset``. ``aliases`` (``{name: source}``) are target tensors that mirror another one, e.g. a separate
@@ -30,9 +36,11 @@ class TargetLoader:
     """
 
     def __init__(self, targets: Mapping[str, torch.Tensor], *, strict: bool = True,
-                 aliases: Mapping[str, str] | None = None):
+                 aliases: Mapping[str, str] | None = None, copier: BucketCopier | None = None):
         self.targets = targets
         self.strict = strict
+        self.copier = copier or BucketCopier()
+        self._resolved: dict[int, tuple] = {}  # layout index -> (layout, targets, mirrors, names, skipped)
         self.mirrors: dict[str, list[str]] = {}
         for alias, source in (aliases or {}).items():
             if alias in targets and source in targets and not _same_storage(targets[alias], targets[source]):
@@ -44,6 +52,7 @@ class TargetLoader:
         self.loaded.clear()
         self.skipped.clear()
 
+    @torch.no_grad()  # targets may be parameters (an engine's weights) or views of them
     def __call__(self, views: NamedViews) -> None:
         dsts, srcs = [], []
         for name, view in views:
@@ -66,6 +75,46 @@ class TargetLoader:
                 self.loaded.add(alias)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+
+    @torch.no_grad()
+    def load_bucket(self, flat: torch.Tensor, layout: BucketLayout, acc: torch.Tensor, row_stride: int = 1) -> None:
+        """Copy bucket ``layout`` out of the flat uint8 ``flat`` into the targets and add the bucket's checksum
+        (of all its bytes, loaded or skipped) to ``acc`` (``[LANES, 2]`` int64), in one pass."""
+        targets, mirrors = self._resolve(layout)
+        self.copier.unpack(flat, layout.nbytes, layout_spans(layout), targets, acc, row_stride)
+        if mirrors:
+            torch._foreach_copy_([a for a, _ in mirrors], [s for _, s in mirrors])
+
+    def _resolve(self, layout: BucketLayout):
+        """The target (or None, skipped) of each tensor of ``layout`` and the mirror copies; checked once per
+        layout, then by identity of the mapping's tensors."""
+        cached = self._resolved.get(layout.index)
+        if cached is not None and (cached[0] is layout or cached[0] == layout) and all(
+                (self.targets.get(m.name) is t) for m, t in zip(layout.tensors, cached[1])):
+            _, targets, mirrors, names, skipped = cached
+        else:
+            targets, mirrors, names, skipped = [], [], [], []
+            for meta in layout.tensors:
+                target = self.targets.get(meta.name)
+                if target is None:
+                    if self.strict:
+                        raise KeyError(f"the receiver has no tensor named {meta.name!r} (it has "
+                                       f"{len(self.targets)} tensors; is the export's naming the engine's HF naming?)")
+                    skipped.append(meta.name)
+                    targets.append(None)
+                    continue
+                if target.shape != meta.shape or target.dtype != meta.dtype:
+                    raise ValueError(f"{meta.name!r}: the receiver's tensor is {target.dtype}{list(target.shape)}, "
+                                     f"the bucket carries {meta.dtype}{list(meta.shape)}")
+                targets.append(target)
+                names.append(meta.name)
+                for alias in self.mirrors.get(meta.name, ()):
+                    mirrors.append((self.targets[alias], target))
+                    names.append(alias)
+            self._resolved[layout.index] = (layout, targets, mirrors, names, skipped)
+        self.loaded.update(names)
+        self.skipped.update(skipped)
+        return targets, mirrors
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

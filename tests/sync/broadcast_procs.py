@@ -16,18 +16,22 @@ def run_rank(rank, world_size, port, syncs, targets, corrupt_rank, results):
     try:
         group = init_weight_update_group("127.0.0.1", port, rank, world_size, GROUP, backend="gloo")
         plan = plan_for(qwen3_export(num_layers=3), bucket_bytes=layer_bytes(), tie_word_embeddings=True)
+        # one sender / receiver for all syncs: their buffers are allocated once and reused
+        if rank == 0:
+            sender = BroadcastSender(group, plan, torch.device("cpu"))
+        else:
+            receiver = BroadcastReceiver(group, plan, torch.device("cpu"))
+            loader = TargetLoader(targets, aliases=plan.aliases)
+
+            def corrupting_load(views):
+                loader(views)
+                views[0][1].view(-1)[0] += 1  # this receiver's buffer no longer holds the sent bytes
+
         for step in range(syncs):
             if rank == 0:
-                BroadcastSender(group, plan, torch.device("cpu")).sync(qwen3_export(num_layers=3, seed=step))
+                sender.sync(qwen3_export(num_layers=3, seed=step))
             else:
-                loader = TargetLoader(targets, aliases=plan.aliases)
-
-                def load(views):
-                    loader(views)
-                    if rank == corrupt_rank:
-                        views[0][1].view(-1)[0] += 1  # this receiver's buffer no longer holds the sent bytes
-
-                BroadcastReceiver(group, plan, torch.device("cpu")).sync(load)
+                receiver.sync(corrupting_load if rank == corrupt_rank else loader)
         results.put((rank, "ok"))
     except Exception:
         results.put((rank, traceback.format_exc()))

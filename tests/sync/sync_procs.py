@@ -2,10 +2,13 @@
 
 import os
 import time
+import weakref
 
 import torch
 
+from redline.sync.bucket_copy import BucketCopier
 from redline.sync.receiver import TargetLoader, make_transport, receive_forever
+from redline.sync.transport import SharedMemoryTransport
 
 
 def copy_receiver(conn, targets, aliases=None):
@@ -71,3 +74,33 @@ def failing_once_receiver(conn, targets):
 def shared_zeros_like(named_tensors):
     """``{name: zeros}`` in shared memory, visible to the parent after the child writes them."""
     return {n: torch.zeros_like(t).share_memory_() for n, t in named_tensors}
+
+
+class CountingTransport(SharedMemoryTransport):
+    """Shared memory that counts, in the shared ``counts`` tensor, buffers opened ([0]) and still mapped ([1])."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def open(self, handle):
+        buffer = super().open(handle)
+        self.counts[0] += 1
+        self.counts[1] += 1
+        weakref.finalize(buffer, self._unmapped)
+        return buffer
+
+    def _unmapped(self):
+        self.counts[1] -= 1
+
+
+def counting_receiver(conn, targets, counts):
+    receive_forever(conn, CountingTransport(counts), TargetLoader(targets))
+
+
+def triton_receiver(conn, targets):
+    """Loads with the fused Triton kernel (Triton's interpreter on CPU)."""
+    receive_forever(conn, make_transport("shm"), TargetLoader(targets, copier=BucketCopier("triton")))
+
+
+def lenient_receiver(conn, targets):
+    receive_forever(conn, make_transport("shm"), TargetLoader(targets, strict=False))

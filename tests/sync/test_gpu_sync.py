@@ -112,3 +112,51 @@ def test_training_state_survives_a_pause():
         memory.pause(keep_contents=True)
         memory.resume()
     assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias)
+
+
+def test_fused_copy_kernel_matches_the_checksum_definition_on_the_gpu(cuda):
+    from redline.sync.bucket_copy import BucketCopier
+    from redline.sync.checksum import bucket_checksum, fold, new_accumulator
+
+    export = gpu_export(7)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    slot = torch.empty(plan.capacity, dtype=torch.uint8, device=cuda)
+    copier, tensors = BucketCopier("triton"), dict(export)
+    for layout in plan.buckets:
+        for row_stride in (1, 3):
+            acc = new_accumulator(1, cuda)
+            copier.pack(slot, layout.nbytes, [(t.start_idx, t.end_idx) for t in layout.tensors],
+                        [tensors[n] for n in layout.names], acc[0], row_stride)
+            assert torch.equal(fold(acc)[0], bucket_checksum(slot, layout.nbytes, row_stride))
+
+
+def test_device_memory_stays_flat_over_syncs(engine_process):
+    conn, proc, _ = engine_process
+    plan = plan_for(gpu_export(0), bucket_bytes=layer_bytes())
+    sender = WeightSender(conn, CudaIpcTransport(), plan, timeout=TIMEOUT_S, alive=proc.is_alive)
+    flats = [torch.zeros(b.nbytes, dtype=torch.uint8, device="cuda") for b in plan.buckets]
+    export = gpu_export(1)
+    for _ in range(3):  # warm-up: staging, mappings, kernel tables
+        sender.sync(export)
+        sender.sync_flat(flats)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    for _ in range(30):
+        sender.sync(export)
+        sender.sync_flat(flats)
+    torch.cuda.synchronize()
+    assert free_before - torch.cuda.mem_get_info()[0] <= 2 * MiB  # whole GPU: both processes
+
+
+def test_pauses_reuse_their_pinned_host_buffers():
+    memory = PausableMemory()
+    with memory.region():
+        x = torch.randn(4 * MiB, device="cuda")
+    made = memory.stats()["host_allocations"]
+    for step in range(3):
+        x.fill_(step)
+        memory.pause(keep_contents=True)
+        memory.resume()
+        assert torch.equal(x, torch.full_like(x, step))
+    assert memory.stats()["host_allocations"] - made == 1  # pinned at the first pause only
+    assert memory.release_host_memory() >= 16 * MiB

@@ -18,10 +18,10 @@ CTX = mp.get_context("fork")
 TIMEOUT_S = 60.0
 
 
-def start(target, *args):
+def start(target, *args, ctx=CTX):
     """A receiver process and a sender connected to it."""
-    parent, child = CTX.Pipe()
-    proc = CTX.Process(target=target, args=(child, *args), daemon=True)
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
     proc.start()
     child.close()  # the child's end lives in the child only: its exit closes the channel
     return proc, parent
@@ -205,3 +205,137 @@ def test_sampled_checksums_still_catch_a_scribbled_bucket():
     with pytest.raises(ChecksumMismatch, match=r"buckets \[1\]"):  # the scribble hits row 0 of the bucket
         sender.sync(export)
     stop(sender, proc)
+
+
+def test_staging_slots_are_mapped_once_for_all_syncs():
+    export = qwen3_export(num_layers=4)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.counting_receiver, targets, counts)
+    sender = sender_for(conn, proc, plan, num_slots=2)
+    slots = None
+    for step in range(5):
+        export = qwen3_export(num_layers=4, seed=step)
+        sender.sync(export)
+        assert_targets_equal(targets, export)
+        slots = slots or [s.data_ptr() for s in sender._slots]
+        assert [s.data_ptr() for s in sender._slots] == slots  # the same staging buffers every sync
+    assert counts.tolist() == [2, 2]
+    stop(sender, proc)
+
+
+def test_release_unmaps_the_slots_and_the_next_sync_maps_new_ones():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.counting_receiver, targets, counts)
+    sender = sender_for(conn, proc, plan, num_slots=2)
+    sender.sync(export)
+    sender.release()
+    assert counts[1] == 0 and sender._slots == []
+    export = qwen3_export(num_layers=3, seed=1)
+    sender.sync(export)
+    assert_targets_equal(targets, export)
+    assert counts.tolist() == [4, 2]
+    stop(sender, proc)
+
+
+def flat_buckets(plan, export):
+    flats = [torch.empty(b.nbytes, dtype=torch.uint8).share_memory_() for b in plan.buckets]
+    for bucket, flat in zip(plan.buckets, flats):
+        for name, view in bucket.views(flat):
+            view.copy_(dict(export)[name])
+    return flats
+
+
+def test_zero_copy_maps_each_flat_bucket_once_and_unmaps_buffers_no_longer_used():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.counting_receiver, targets, counts)
+    sender = sender_for(conn, proc, plan)
+    flats = flat_buckets(plan, export)
+    for _ in range(3):
+        sender.sync_flat(flats)
+    assert counts.tolist() == [len(plan.buckets)] * 2
+    export = qwen3_export(num_layers=3, seed=5)
+    sender.sync_flat(flat_buckets(plan, export))  # the trainer moved its parameters: new buffers
+    assert_targets_equal(targets, export)
+    assert counts.tolist() == [2 * len(plan.buckets), len(plan.buckets)]
+    stop(sender, proc)
+
+
+def test_pipelined_and_zero_copy_syncs_alternate_on_one_connection():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.copy_receiver, targets)
+    sender = sender_for(conn, proc, plan)
+    for step in range(4):
+        export = qwen3_export(num_layers=3, seed=step)
+        sender.sync(export) if step % 2 else sender.sync_flat(flat_buckets(plan, export))
+        assert_targets_equal(targets, export)
+    stop(sender, proc)
+
+
+def test_fused_triton_load_and_pack_agree_with_each_other():
+    pytest.importorskip("triton")
+    from redline.sync.bucket_copy import BucketCopier
+
+    export = qwen3_export(num_layers=3, norm_dtype=torch.float32)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    # spawn: a process forked after this one ran Triton's interpreter can hang in it
+    proc, conn = start(sync_procs.triton_receiver, targets, ctx=mp.get_context("spawn"))
+    sender = sender_for(conn, proc, plan, copier=BucketCopier("triton"))
+    for step in range(3):
+        export = qwen3_export(num_layers=3, seed=step, norm_dtype=torch.float32)
+        sender.sync(export)
+        assert_targets_equal(targets, export)
+    stop(sender, proc)
+
+
+def test_a_target_loader_skipping_names_still_checks_the_whole_bucket():
+    export = qwen3_export(num_layers=2)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = {n: t for n, t in sync_procs.shared_zeros_like(export).items() if "q_norm" not in n}
+    proc, conn = start(sync_procs.lenient_receiver, targets)
+    sender = sender_for(conn, proc, plan)
+    sender.sync(export)
+    assert all(torch.equal(targets[n], t) for n, t in export if n in targets)
+    stop(sender, proc)
+
+
+def test_buffers_shared_for_one_sync_only_are_unmapped_when_it_ends():
+    export = qwen3_export(num_layers=2)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.counting_receiver, targets, counts)
+    sender = sender_for(conn, proc, plan)
+    for step in range(2):
+        export = qwen3_export(num_layers=2, seed=step)
+        sender.sync_flat(flat_buckets(plan, export), keep_mapped=False)
+        assert_targets_equal(targets, export)
+        assert counts[1] == 0 and sender._mapped == {}
+    stop(sender, proc)
+
+
+def test_senders_sharing_a_connection_keep_their_own_state():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
+    targets = sync_procs.shared_zeros_like(export)
+    proc, conn = start(sync_procs.counting_receiver, targets, counts)
+    first, second = sender_for(conn, proc, plan), sender_for(conn, proc, plan, num_slots=1)
+    for step in range(4):
+        export = qwen3_export(num_layers=3, seed=step)
+        (first if step % 2 else second).sync(export)
+        assert_targets_equal(targets, export)
+    assert counts.tolist() == [3, 3]  # 2 + 1 slots, each mapped once
+    first.release()
+    assert counts[1] == 1
+    stop(second, proc)
