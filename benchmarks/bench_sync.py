@@ -515,27 +515,33 @@ class EmbeddedEngineProcess:
 
 class TrainState:
     """The trainer's state that colocation pauses (gradients / optimizer state stand-in: 2x the model bytes in
-    PausableMemory, one tensor per parameter and kind), paused with or without keeping its contents."""
+    PausableMemory, one tensor per parameter and kind): ``discard`` (released, contents dropped), ``keep``
+    (contents kept in pinned host memory) or ``none`` (no state: the transition's engine-side floor)."""
 
-    def __init__(self, specs, keep_contents: bool):
+    def __init__(self, specs, kind: str):
         from redline.sync.memory import PausableMemory
 
-        self.memory, self.keep = PausableMemory(), keep_contents
-        with self.memory.region():
-            self.tensors = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in specs for _ in range(2)]
+        self.kind, self.memory, self.tensors = kind, None, []
+        if kind != "none":
+            self.memory = PausableMemory()
+            with self.memory.region():
+                self.tensors = [torch.zeros(s.shape, dtype=s.dtype, device=DEVICE) for s in specs for _ in range(2)]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
 
     def pause(self):
-        self.memory.pause(keep_contents=self.keep)
+        if self.memory is not None:
+            self.memory.pause(keep_contents=self.kind == "keep")
 
     def resume(self):
-        self.memory.resume()
+        if self.memory is not None:
+            self.memory.resume()
 
     def free(self):
         torch.cuda.synchronize()
         self.tensors = []
-        self.memory.release_host_memory()
-        self.memory = None  # the pool goes with its last tensor
+        if self.memory is not None:
+            self.memory.release_host_memory()
+            self.memory = None  # the pool goes with its last tensor
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -566,7 +572,7 @@ def colocated_transition(benchmark, colocated, mode, train_state):
     sender = WeightSender(engine.sync_conn, make_transport(TRANSPORT), plan, timeout=TIMEOUT_S,
                           alive=engine.proc.is_alive)
     sync = (lambda: sender.sync(trainer.export)) if mode == "pipelined" else (lambda: sender.sync_flat(trainer.flats))
-    state = TrainState(specs, keep_contents=train_state == "keep")
+    state = TrainState(specs, train_state)
     requests = [GenerateRequest([1 + (i * 7 + j) % 1000 for j in range(GEN_PROMPT)],
                                 SamplingParams(temperature=0.0, max_new_tokens=GEN_NEW)) for i in range(GEN_BATCH)]
     loop = asyncio.new_event_loop()
@@ -623,8 +629,8 @@ def colocated_transition(benchmark, colocated, mode, train_state):
 class TestColocatedTransition:
     """Class scope: the embedded engine process (and its GPU memory) lives for these tests only."""
 
-    @pytest.mark.parametrize("train_state", ["discard", "keep"])
-    @pytest.mark.parametrize("mode", ["zero-copy", "pipelined"])
+    @pytest.mark.parametrize(("mode", "train_state"), [("zero-copy", "none"), ("zero-copy", "discard"),
+                                                        ("zero-copy", "keep"), ("pipelined", "discard")])
     def test_colocated_transition(self, benchmark, colocated, mode, train_state):
         colocated_transition(benchmark, colocated, mode, train_state)
 
