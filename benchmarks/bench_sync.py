@@ -253,7 +253,7 @@ def _one_at_a_time(engine, plan, trainer, make_buffer):
             torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
 
-    return run
+    return run, senders
 
 
 def test_slime_style_sequential(gpu_bench, model):
@@ -262,10 +262,13 @@ def test_slime_style_sequential(gpu_bench, model):
     plan = _plan(specs, tied, SLIME_BUCKET_MIB)
     trainer = Trainer(specs, plan)
     flatten = lambda ts: torch.cat([t.flatten().view(torch.uint8) for t in ts])  # FlattenedTensorBucket's cat
-    gpu_bench(_one_at_a_time(engine, plan, trainer, flatten), group=_group(size, plan),
+    run, senders = _one_at_a_time(engine, plan, trainer, flatten)
+    gpu_bench(run, group=_group(size, plan),
               provider=f"slime-style sequential, {SLIME_BUCKET_MIB} MiB, new buffer per bucket", rounds=ROUNDS,
               warmup=WARMUP, **_info(plan, SLIME_BUCKET_MIB))
     _assert_engine_has(engine, trainer)
+    for sender in senders:
+        sender.release()
 
 
 def test_per_tensor_ipc(gpu_bench, model):
@@ -274,10 +277,12 @@ def test_per_tensor_ipc(gpu_bench, model):
     plan = plan_buckets(specs, 1, tie_word_embeddings=tied, group_of=lambda name: name)  # one tensor per bucket
     trainer = Trainer(specs, plan)
     clone = lambda ts: ts[0].clone().flatten().view(torch.uint8)
-    gpu_bench(_one_at_a_time(engine, plan, trainer, clone), group=_group(size, plan),
-              provider="per-tensor IPC (clone + handle + round trip per tensor)", rounds=3, warmup=1,
-              **_info(plan, 0))
+    run, senders = _one_at_a_time(engine, plan, trainer, clone)
+    gpu_bench(run, group=_group(size, plan), provider="per-tensor IPC (clone + handle + round trip per tensor)",
+              rounds=3, warmup=1, **_info(plan, 0))
     _assert_engine_has(engine, trainer)
+    for sender in senders:
+        sender.release()
 
 
 def test_stage_pack(gpu_bench, model):
@@ -404,6 +409,8 @@ def test_trainer_pause_resume(gpu_bench, benchmark, model, keep_contents):
     torch.cuda.synchronize()
     del state
     memory.release_host_memory()
+    del memory  # a live pool keeps its blocks through empty_cache (and the next pause would pause them too)
+    gc.collect()
     torch.cuda.empty_cache()
     assert residual["pool_mapped_while_paused"] == 0
     assert residual["host_buffers_made_after_first_cycle"] == 0

@@ -82,8 +82,9 @@ def test_pause_without_contents_frees_memory_and_resume_gives_usable_memory():
     memory = PausableMemory()
     with memory.region():
         x = torch.empty(16 * MiB, device="cuda")
+    host_before = memory.stats()["host_backup_bytes"]  # buffers kept by earlier tests' pauses, if any
     memory.pause(keep_contents=False)
-    assert memory.stats()["host_backup_bytes"] == 0
+    assert memory.stats()["host_backup_bytes"] == host_before  # nothing pinned for a pause that drops contents
     memory.resume()
     x.fill_(3.0)
     assert torch.equal(x, torch.full_like(x, 3.0))
@@ -152,11 +153,13 @@ def test_pauses_reuse_their_pinned_host_buffers():
     memory = PausableMemory()
     with memory.region():
         x = torch.randn(4 * MiB, device="cuda")
+    memory.pause(keep_contents=True)  # pins a host buffer for every live pausable allocation
+    memory.resume()
     made = memory.stats()["host_allocations"]
     for step in range(3):
         x.fill_(step)
         memory.pause(keep_contents=True)
         memory.resume()
         assert torch.equal(x, torch.full_like(x, step))
-    assert memory.stats()["host_allocations"] - made == 1  # pinned at the first pause only
+    assert memory.stats()["host_allocations"] == made  # later pauses pin nothing
     assert memory.release_host_memory() >= 16 * MiB
