@@ -11,6 +11,7 @@ import torch
 from .vocab_stats import RowStats, merge
 
 WORKSPACE_BYTES = 32 * 2**20  # fp32 logits block per step; small enough for a laptop, large enough for BLAS
+POLICY_LOSS_WORKSPACE_BYTES = WORKSPACE_BYTES
 ALIGN = 1  # chunk sizes need no rounding for BLAS (``lm_head_plan`` takes it)
 
 

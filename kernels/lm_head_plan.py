@@ -15,8 +15,10 @@ and weight reads a GEMM's FLOPs cannot hide (``_weight_read_bytes``). Fitted on 
 136.1, 216.5 vs 216.6 at H=8192, V=128256, 79.2 vs 73.6 at H=2048; forward 35.5 vs 36.4. The one-pass path saves
 the logits recompute (2·T·H·V FLOPs) but read-modify-writes dW (and re-streams the weight) once per token chunk,
 and a chunk holds only about ``budget / (4·V)`` tokens, so it pays only with a large enough workspace
-(``choose_one_pass``): at the shape above, 134 vs 137 ms at 256 MiB (384 tokens a chunk), 107 vs 132 ms at
-1 GiB, and two-pass below ~250 MiB. These one-pass numbers are the model's, to be checked by the benchmark.
+(``choose_one_pass``), and each chunk has a fixed cost (``ONE_PASS_CHUNK_SECONDS``). Measured at the shape
+above (``benchmarks/results/lm_head/lm-head-policy-h100-run2``): one pass 160.5 ms vs two passes 140.9 at 256 MiB
+(384 tokens a chunk; model 160.2 vs 137.2), 113.0 vs 134.0 at 1 GiB (1472 tokens; model 114.5 vs 132.2); at
+T=4096, 53.0 vs 36.9 at 256 MiB and 30.1 vs 36.0 at 1 GiB. The model picks the faster path in all four.
 
 Pure arithmetic, no Triton import: the CPU path takes the same decision (its own costs differ; it serves tests
 and small models).
@@ -26,6 +28,10 @@ import math
 
 PEAK_FLOPS = 750e12  # bf16 cuBLAS GEMMs of these shapes on an H100 (the three bare GEMMs: 717 TFLOP/s measured)
 HBM_BYTES_PER_S = 3.0e12  # H100 HBM3, achievable
+# Fixed cost of one one-pass token chunk beyond its bytes and FLOPs (~20 Triton launches, ~100 small torch ops,
+# the chunk's policy-loss call). Fitted to the H100 run (lm-head-policy-h100-run2): without it the model said
+# 134 ms at 256 MiB (384-token chunks) where 160.5 ms was measured, 107 vs 113 ms at 1 GiB (1472-token chunks).
+ONE_PASS_CHUNK_SECONDS = 0.6e-3
 
 
 def round_down(x: int, k: int) -> int:
@@ -127,7 +133,8 @@ def _one_pass_seconds(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk) 
     hbm_bytes = (_gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk)
                  # fp32 logits written, read by the statistics and dz kernels; dz written, read by 2 GEMMs
                  + n_rows * vocab * (12 + 3 * itemsize))
-    return _seconds(6 * n_rows * width * vocab, hbm_bytes)
+    chunks = math.ceil(n_rows / token_chunk)
+    return _seconds(6 * n_rows * width * vocab, hbm_bytes) + chunks * ONE_PASS_CHUNK_SECONDS
 
 
 def one_pass_seconds(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,

@@ -135,8 +135,15 @@ def _path_taken(monkeypatch, inputs, cfg, **options) -> str:
     return taken[0]
 
 
+@pytest.fixture
+def no_chunk_cost(monkeypatch):
+    """The model without its fixed per-chunk cost (fitted to H100 launch overheads, it would dominate at these
+    tiny shapes): the tests below check the decision logic on both sides of the byte/FLOP threshold."""
+    monkeypatch.setattr(lm_head_plan, "ONE_PASS_CHUNK_SECONDS", 0.0)
+
+
 @pytest.mark.parametrize("workspace", [4000, 60000])
-def test_path_follows_the_cost_model(monkeypatch, workspace):
+def test_path_follows_the_cost_model(monkeypatch, no_chunk_cost, workspace):
     inputs = make_inputs()
     rows = int(inputs["mask"].sum())
     expected = lm_head_plan.choose_one_pass(rows, V, H, True, 4, workspace, 1)
@@ -146,13 +153,13 @@ def test_path_follows_the_cost_model(monkeypatch, workspace):
     assert taken == ("one pass" if expected else "two passes")
 
 
-def test_cost_model_picks_each_path_at_one_of_the_two_workspaces():
+def test_cost_model_picks_each_path_at_one_of_the_two_workspaces(no_chunk_cost):
     # the pair of workspaces above puts the test shape on both sides of the model's threshold
     rows = int(make_inputs()["mask"].sum())
     assert [lm_head_plan.choose_one_pass(rows, V, H, True, 4, w, 1) for w in (4000, 60000)] == [False, True]
 
 
-def test_gspo_runs_two_passes_even_where_one_pass_would_be_cheaper(monkeypatch):
+def test_gspo_runs_two_passes_even_where_one_pass_would_be_cheaper(monkeypatch, no_chunk_cost):
     inputs = make_inputs()
     assert lm_head_plan.choose_one_pass(int(inputs["mask"].sum()), V, H, True, 4, 60000, 1)
     cfg = LossConfig(estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4, kl_type="k1", kl_coef=0.02)
@@ -187,10 +194,23 @@ def test_cost_model_reproduces_the_measured_two_pass_time():
     assert abs(modelled - 0.1371) / 0.1371 < 0.03
 
 
-@pytest.mark.parametrize("mib,one_pass", [(128, False), (1024, True)])
-def test_cost_model_at_the_h100_shape(mib, one_pass):
-    # 128 MiB holds 192 tokens' logits: 86 read-modify-writes of dW cost more than the recompute saves
-    assert lm_head_plan.choose_one_pass(*H100_SHAPE, mib * 2**20, 256) == one_pass
+# Measured on the H100 (benchmarks/results/lm_head/lm-head-policy-h100-run2), ms: (one pass, two passes)
+MEASURED_PATHS = {(16384, 256): (160.5, 140.9), (16384, 1024): (113.0, 134.0), (4096, 256): (53.0, 36.9),
+                  (4096, 1024): (30.1, 36.0)}
+
+
+@pytest.mark.parametrize("tokens,mib", sorted(MEASURED_PATHS))
+def test_cost_model_picks_the_path_measured_faster(tokens, mib):
+    one, two = MEASURED_PATHS[(tokens, mib)]
+    shape = (tokens,) + H100_SHAPE[1:]
+    assert lm_head_plan.choose_one_pass(*shape, mib * 2**20, 256) == (one < two)
+
+
+def test_cost_model_reproduces_the_measured_one_pass_times():
+    for (tokens, mib), (one, _) in MEASURED_PATHS.items():
+        if tokens == 16384:
+            modelled = lm_head_plan.one_pass_seconds(tokens, *H100_SHAPE[1:], mib * 2**20, 256)
+            assert abs(modelled * 1e3 - one) / one < 0.05
 
 
 def test_one_pass_plan_stays_within_the_workspace():
@@ -230,7 +250,7 @@ def gpu_run(inputs, cfg, **options):
                                                ("ppo", "seq-mean-token-sum", 16)])
 def test_gpu_one_pass_matches_fp64_reference(cuda, estimator, agg, mib):
     # 64 MiB of workspace: 384 tokens a chunk, 7 chunks; 16 MiB: 64 tokens, 38 chunks — dW is rounded to bf16
-    # once per chunk (as often as at T=16384 with the 256 MiB default at V=151936)
+    # once per chunk (as often as at T=16384 with a 256 MiB workspace at V=151936)
     t, h, v = 3000, 1024, 32003
     inputs = gpu_inputs(t, h, v, cuda)
     cfg = make_config(estimator, "k3", None, agg)
@@ -242,7 +262,9 @@ def test_gpu_one_pass_matches_fp64_reference(cuda, estimator, agg, mib):
         temperature=TEMPERATURE, ref_logp=wide["ref_logp"], cu_seqlens=inputs["cu_seqlens"])
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-4 * max(1.0, abs(ref_loss.item()))
-    assert abs(metrics["entropy"].item() - ref_metrics["entropy"].item()) <= 1e-4
+    # relative like the loss: with seq-mean-token-sum the metric is a per-sequence sum of entropies (~10^2)
+    assert abs(metrics["entropy"].item() - ref_metrics["entropy"].item()) <= 1e-4 * max(1.0, abs(
+        ref_metrics["entropy"].item()))
     for got, want in ((d_hidden, hidden64.grad), (d_weight, weight64.grad)):
         assert ((got.double() - want).norm() / want.norm()).item() < 1e-2  # dz and the gradients are bf16
 
