@@ -28,6 +28,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, "pipeline-parallel size (PP)")
     sequence_parallel: bool = option(False, "sequence parallelism with TP")
     colocate: bool = option(True, "trainer and engines share the same GPUs")
+    rollout_num_gpus: int = option(1, "--no-colocate: GPUs for the rollout engines, one embedded engine process "
+                                   "each (cuda:1 ...; the trainer takes cuda:0); on a CPU machine, engine "
+                                   "processes on the CPU")
+    distributed_timeout_minutes: float = option(10.0, "--no-colocate: how long the weight-update group's setup, "
+                                                "each broadcast sync and its checks may wait before failing")
 
 
 @dataclass

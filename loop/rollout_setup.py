@@ -6,6 +6,8 @@ global index, so a resumed run draws exactly what the uninterrupted run would ha
 of seeds, so successive evaluations differ only by the weights.
 """
 
+import asyncio
+
 from redline.rollout.data import DataSource, PromptDataset
 from redline.rollout.evaluation import EvalSet, evaluate
 from redline.rollout.functions import load_function
@@ -78,7 +80,11 @@ def engine_rows(config) -> int:
 
 
 def build_engine(config, tokenizer, *, device, dtype, log_dir="logs"):
-    """The run's rollout engine, colocated with the trainer (same device)."""
+    """The run's rollout engine: colocated with the trainer (same device), or with ``--no-colocate`` one
+    embedded engine process per engine device (``engine_devices``), behind an ``EngineGroup`` when several."""
+    if not config.parallel.colocate:
+        engines = [build_embedded_process(config, device=d, dtype=dtype) for d in engine_devices(config)]
+        return engines[0] if len(engines) == 1 else EngineGroup(engines)
     if resolve_engine(config) == "sglang":
         return build_sglang_engine(config, log_dir=log_dir)
     if config.rollout.embedded_engine_process:
@@ -125,6 +131,69 @@ def build_sglang_engine(config, *, log_dir):
     return SGLangEngine.launch(config.model.hf_checkpoint, num_engines=1, tp_size=1, sglang_args=args,
                                base_gpu_ids=[torch.cuda.current_device()], log_dir=log_dir,
                                enable_memory_saver=config.sync.offload_rollout)
+
+
+def trainer_device(config):
+    """cuda:0 with ``--no-colocate`` (the engines take the next GPUs), else the current CUDA device, or the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", 0) if not config.parallel.colocate else torch.device("cuda")
+
+
+def engine_devices(config) -> list:
+    """``--no-colocate``: one device per engine process — cuda:1 ... cuda:N, or the CPU N times."""
+    import torch
+
+    n = config.parallel.rollout_num_gpus
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")] * n
+    return [torch.device("cuda", 1 + i) for i in range(n)]
+
+
+class EngineGroup:
+    """Several engines as one: each ``generate`` call goes to the next engine in turn (the loop sends one
+    request per sample, each with its own seed, so which engine draws it does not change the result); memory,
+    pause and shutdown calls go to all. Weights reach them through ``BroadcastWeightSync``, not
+    ``update_weights``."""
+
+    def __init__(self, engines):
+        self.engines = list(engines)
+        self._next = 0
+
+    async def generate(self, requests):
+        engine = self.engines[self._next % len(self.engines)]
+        self._next += 1
+        return await engine.generate(requests)
+
+    async def update_weights(self, buckets, version):
+        buckets = [list(b) for b in buckets]  # each engine reads every bucket
+        await self._all("update_weights", buckets, version)
+
+    async def release_memory(self, tags):
+        await self._all("release_memory", tags)
+
+    async def resume_memory(self, tags):
+        await self._all("resume_memory", tags)
+
+    async def flush_cache(self):
+        await self._all("flush_cache")
+
+    async def pause(self):
+        await self._all("pause")
+
+    async def resume(self):
+        await self._all("resume")
+
+    async def health(self) -> bool:
+        return all(await asyncio.gather(*(e.health() for e in self.engines)))
+
+    async def shutdown(self):
+        await self._all("shutdown")
+
+    async def _all(self, method, *args):
+        await asyncio.gather(*(getattr(e, method)(*args) for e in self.engines))
 
 
 def engine_seq_len(config, context: int) -> int:

@@ -48,12 +48,14 @@ def build(config, console: Console, *, log_dir: Path = Path("logs")):
     """``(RunState, tokenizer)`` for a validated config; engine server logs (SGLang) go to ``log_dir``."""
     from transformers import AutoTokenizer
 
-    from redline.loop.rollout_setup import build_rollout, resolve_engine
-    from redline.loop.weight_sync import WeightSync
+    from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
+    from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = trainer_device(config)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
     dtype = DTYPES[config.model.dtype]
     backend = resolve_backend(config)
     console.print(f"model {config.model.hf_checkpoint} · backend {backend} · {dtype} · {device}")
@@ -79,15 +81,37 @@ def build(config, console: Console, *, log_dir: Path = Path("logs")):
     # the engine last: a failure while building the trainer leaves no launched server behind
     loop = asyncio.new_event_loop()
     engine_name = resolve_engine(config)
-    if engine_name == "embedded" and config.rollout.embedded_engine_process:
+    if not config.parallel.colocate:
+        engine_name += f" (own process on {', '.join(map(str, engine_devices(config)))}; trainer on {device})"
+    elif engine_name == "embedded" and config.rollout.embedded_engine_process:
         engine_name += " (own process)"
     console.print(f"rollout engine: {engine_name}")
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
-    weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
-                             offload=config.sync.offload_rollout)
+    if config.parallel.colocate:
+        weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
+                                 offload=config.sync.offload_rollout)
+    else:
+        weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
+                                          bucket_bytes=config.sync.update_weight_buffer_size, device=device,
+                                          timeout_s=config.parallel.distributed_timeout_minutes * 60)
+        try:
+            loop.run_until_complete(weight_sync.connect())
+        except BaseException:
+            loop.run_until_complete(engine.shutdown())
+            raise
     console.print(weight_sync.describe())
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, weight_sync=weight_sync,
                     loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic), tokenizer
+
+
+def shutdown(state: RunState) -> None:
+    """Leave the weight-update group (``--no-colocate``), then stop the engine."""
+    try:
+        close = getattr(state.weight_sync, "close", None)
+        if close is not None:
+            state.loop.run_until_complete(close())
+    finally:
+        state.loop.run_until_complete(state.engine.shutdown())
 
 
 def trainer_state(state: RunState) -> dict:
@@ -134,7 +158,7 @@ def run(config, config_path=None) -> int:
         report = _train(state, tokenizer, metrics, out, console, config_path)
     finally:
         metrics.close()
-        state.loop.run_until_complete(state.engine.shutdown())
+        shutdown(state)
     console.print(f"report: {report}")
     return 0
 

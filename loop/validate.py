@@ -127,15 +127,38 @@ def check_engine(config) -> None:
 
 
 def check_placement(config) -> None:
-    """``redline train`` runs trainer and engine colocated in one process so far."""
+    """One process for the trainer (TP = PP = 1); engines colocated with it, or with ``--no-colocate`` in
+    their own processes on other GPUs (the CPU on a CPU machine), weights pushed by broadcast."""
+    import torch
+
+    from redline.loop.rollout_setup import resolve_engine
+
     p = config.parallel
     if p.tensor_model_parallel_size != 1 or p.pipeline_model_parallel_size != 1 or p.sequence_parallel:
         raise ConfigError("--tensor-model-parallel-size / --pipeline-model-parallel-size / --sequence-parallel: "
                           "`redline train` runs in one process so far; TP/SP/PP are available through "
                           "redline.trainer.parallel under torchrun")
-    if not p.colocate:
-        raise ConfigError("--no-colocate: disaggregated placement (engines on other GPUs, NCCL sync) is not wired "
-                          "into `redline train` yet; redline.sync.broadcast provides the sync")
+    if p.colocate:
+        return
+    if resolve_engine(config) == "sglang":
+        raise ConfigError("--no-colocate with --rollout-engine sglang is not wired into `redline train` yet "
+                          "(redline.sync.sglang builds the /update_weights_from_distributed requests, "
+                          "redline.sync.broadcast the group); use --rollout-engine embedded with --no-colocate, "
+                          "or drop --no-colocate to run SGLang on the trainer's GPU")
+    if config.sync.offload_rollout:
+        raise ConfigError("--offload-rollout frees the engine's memory for a trainer on the same GPU; with "
+                          "--no-colocate the engines have their own GPUs: drop one of the two flags")
+    if p.rollout_num_gpus < 1:
+        raise ConfigError(f"--rollout-num-gpus must be >= 1 with --no-colocate, got {p.rollout_num_gpus}")
+    if p.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {p.distributed_timeout_minutes}")
+    if torch.cuda.is_available():
+        needed, visible = 1 + p.rollout_num_gpus, torch.cuda.device_count()
+        if visible < needed:
+            raise ConfigError(f"--no-colocate --rollout-num-gpus {p.rollout_num_gpus}: the trainer takes GPU 0 and "
+                              f"each engine one more GPU, {needed} in all, but {visible} "
+                              f"{'is' if visible == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES); lower "
+                              f"--rollout-num-gpus or drop --no-colocate")
 
 
 def validate(config) -> None:

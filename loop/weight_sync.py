@@ -9,7 +9,17 @@ into its fused tensors, the embedded engine process receives it by shared memory
 With ``--offload-rollout`` the engine gives its memory back after each rollout and the push follows the
 colocated sequence of ``redline.rollout.engine``: ``resume_memory({"weights"})`` → ``update_weights`` →
 ``resume_memory({"kv_cache"})``, so the new weights land before the KV cache competes for memory.
+
+With ``--no-colocate`` (``BroadcastWeightSync``) the engines are embedded engine processes on other GPUs (the
+CPU on a CPU machine): the trainer is rank 0 of a ``redline.sync.broadcast`` weight-update group and each engine
+one more rank; every push broadcasts the plan's buckets (NCCL on GPUs, gloo on the CPU) while the engines
+receive and load them, and ends with the group's checksum comparison (a mismatch raises ``ChecksumMismatch``).
 """
+
+import asyncio
+import contextlib
+import socket
+from datetime import timedelta
 
 import torch
 
@@ -50,3 +60,83 @@ class WeightSync:
         sizes = [b.nbytes for b in self.plan.buckets]
         return (f"weight sync: {len(sizes)} buckets, {self.plan.nbytes / 2**20:.1f} MiB "
                 f"(largest {max(sizes) / 2**20:.1f} MiB){' · offload rollout' if self.offload else ''}")
+
+
+class BroadcastWeightSync:
+    """``--no-colocate``: the same plan, broadcast from this process (group rank 0) to every engine process.
+
+    ``engines``: ``EmbeddedEngineProcess`` objects on their own devices, engine ``i`` joining as rank ``i + 1``;
+    ``device``: the trainer's (``cuda:0`` or ``cpu``). Call ``connect()`` once before the first ``push``. Every
+    wait (group setup, each push) is bounded by ``timeout_s``: a dead or stuck engine fails the run instead of
+    hanging it.
+    """
+
+    def __init__(self, model, engines, *, bucket_bytes: int, device: torch.device, timeout_s: float):
+        self.model, self.engines, self.device = model, list(engines), torch.device(device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.timeout_s = timeout_s
+        self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
+        self.sender = None
+        self.group = None
+
+    async def connect(self) -> None:
+        """Build the weight-update group: this process as rank 0, the engines at the same time as 1..N."""
+        from redline.sync.broadcast import BroadcastSender, init_weight_update_group, stage_group_name
+
+        address, port, world = "127.0.0.1", _free_port(), 1 + len(self.engines)
+        name = stage_group_name(0)
+
+        def join():
+            with self._on_device():
+                return init_weight_update_group(address, port, 0, world, name, backend=self.backend,
+                                                timeout=timedelta(seconds=self.timeout_s))
+
+        joins = [engine.join_weight_group(address, port, rank, world, name, self.backend, self.plan, self.timeout_s)
+                 for rank, engine in enumerate(self.engines, start=1)]
+        self.group, *_ = await self._bounded(asyncio.to_thread(join), *joins, what="building the weight-update group")
+        self.sender = BroadcastSender(self.group, self.plan, self.device)
+
+    async def release(self) -> None:
+        """Nothing to free: the engines have their own devices."""
+
+    async def push(self, version: str) -> None:
+        if self.sender is None:
+            raise RuntimeError("BroadcastWeightSync.push before connect()")
+
+        def send():
+            with self._on_device():
+                self.sender.sync(self.model.export_hf())
+
+        await self._bounded(asyncio.to_thread(send), *(e.receive_weights(version) for e in self.engines),
+                            what=f"the weight broadcast of version {version}")
+
+    async def close(self) -> None:
+        """Leave the group on every side (before the engines shut down)."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        await self._bounded(*(e.leave_weight_group() for e in self.engines), what="leaving the weight-update group")
+        dist.destroy_process_group(self.group)
+        self.group = self.sender = None
+
+    def describe(self) -> str:
+        sizes = [b.nbytes for b in self.plan.buckets]
+        return (f"weight sync: broadcast ({self.backend}) {self.device} → {len(self.engines)} engine process(es), "
+                f"{len(sizes)} buckets, {self.plan.nbytes / 2**20:.1f} MiB (largest {max(sizes) / 2**20:.1f} MiB)")
+
+    async def _bounded(self, *awaitables, what: str):
+        try:
+            return await asyncio.wait_for(asyncio.gather(*awaitables), self.timeout_s + 30)
+        except TimeoutError:
+            raise TimeoutError(f"{what}: no answer from every side within {self.timeout_s + 30:.0f} s "
+                               f"(--distributed-timeout-minutes); an engine process may have died") from None
+
+    def _on_device(self):
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -34,6 +34,7 @@ def _reply(replies, call_id, ok, value) -> None:
 def _serve(model_path, engine_kwargs, requests, replies) -> None:
     """Child process: host an EmbeddedEngine and answer ``(call_id, method, args)`` messages in order of arrival
     (calls run concurrently, so a ``pause`` can reach a running ``generate``)."""
+    from redline.rollout.embedded import broadcast
     from redline.rollout.embedded.engine import EmbeddedEngine
 
     async def main():
@@ -50,6 +51,8 @@ def _serve(model_path, engine_kwargs, requests, replies) -> None:
             try:
                 if method == "load_weights":
                     value = await asyncio.to_thread(engine.load_weights, *args)
+                elif method in broadcast.METHODS:  # the disaggregated sync's receiver (NCCL / gloo)
+                    value = await asyncio.to_thread(broadcast.handle, engine, method, args)
                 elif method == "set_weight_version":
                     engine.weight_version = args[0]
                     value = None
@@ -127,6 +130,25 @@ class EmbeddedEngineProcess:
     async def load_weights(self, named_tensors) -> None:
         """Copy one bucket of HF-named tensors into the child's model; returns once copied."""
         await self._call("load_weights", [(name, tensor.detach()) for name, tensor in named_tensors])
+
+    async def join_weight_group(self, master_address: str, master_port: int, rank: int, world_size: int,
+                                group_name: str, backend: str, plan, timeout_s: float) -> None:
+        """Disaggregated sync: join the trainer's weight-update group (``redline.sync.broadcast``) as ``rank``;
+        returns once the group is built (the trainer joins as rank 0 at the same time)."""
+        await self._call("join_weight_group", master_address, master_port, rank, world_size, group_name, backend,
+                         plan, timeout_s)
+
+    async def receive_weights(self, version: str) -> None:
+        """Receive every bucket of the plan from the group's rank 0 (which broadcasts meanwhile), load it, check
+        the checksums with the group, then report ``version``."""
+        await self._call("receive_weights", str(version))
+
+    async def leave_weight_group(self) -> None:
+        await self._call("leave_weight_group")
+
+    async def export_weights(self) -> list:
+        """The engine's weights in HF names, copied to the CPU (for checks)."""
+        return await self._call("export_weights")
 
     async def release_memory(self, tags) -> None:
         await self._call("release_memory", set(tags))

@@ -93,11 +93,15 @@ def test_loss_config_mapping():
     assert loss_config(apply_overrides(RunConfig(), {"kl_loss_coef": "0.5"})).kl_coef == 0.0  # needs --use-kl-loss
 
 
-def test_placements_the_loop_cannot_run_are_rejected(model_dir, data_file):
+def test_placements_the_loop_cannot_run_are_rejected(model_dir, data_file, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # engine processes on the CPU
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size"):
         validate(config_with(model_dir, data_file, tensor_model_parallel_size="2"))
-    with pytest.raises(ConfigError, match="--no-colocate"):
-        validate(config_with(model_dir, data_file, colocate="false"))
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size"):
+        validate(config_with(model_dir, data_file, colocate="false", pipeline_model_parallel_size="2"))
+    validate(config_with(model_dir, data_file, colocate="false"))  # disaggregated: engines in their own processes
 
 
 @pytest.fixture
