@@ -1,6 +1,7 @@
-"""TP=2 (with and without SP), PP=2 (and 3) and DP=2 give the single-process loss, gradients and update.
+"""TP=2 (with and without SP), PP=2 (and 3) and DP=2 give the single-process loss, gradients and update; under
+PP (and TP x PP) export and save_pretrained give the whole model.
 
-Each test spawns two processes (three for the 3-stage pipeline; gloo on CPU; the ``multigpu`` variants use NCCL
+Each test spawns two processes (three for the 3-stage pipeline, four for TP x PP; gloo on CPU; the ``multigpu`` variants use NCCL
 on two GPUs); every rank also builds the unsharded model from the same seed and computes the single-process
 reference itself.
 """
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import transformers
 
 from redline.trainer.models import from_config
 from redline.trainer.parallel import ParallelConfig, clip_grad_norm, finalize_grads, one_f_one_b
@@ -157,6 +159,58 @@ def test_pipeline_over_nccl_with_messages_larger_than_nccl_buffers(config_of, tm
     config = config_of("qwen3")
     config.hidden_size, config.intermediate_size, config.head_dim = 512, 1024, 64
     run_on_ranks(pp_worker, tmp_path, config, [(4096,), (1000, 3096), (4096,)], nccl=True)
+
+
+def stage_of(hf_name, num_layers, pp):
+    """The pipeline stage that holds ``hf_name``: its layer's, the embedding on the first, the rest on the last."""
+    if hf_name.startswith("model.layers."):
+        layer = int(hf_name.split(".")[2])
+        return next(s for s in range(pp) if layer in stage_layers(num_layers, pp, s))
+    return 0 if hf_name == "model.embed_tokens.weight" else pp - 1
+
+
+def pp_export_worker(rank, config, tp, directory):
+    pp = dist.get_world_size() // tp
+    reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
+    model = from_config(config, dtype=torch.float32, device=device(), seed=0, parallel=ParallelConfig(tp=tp, pp=pp))
+    expected = list(reference.export_hf())
+    exported = list(model.export_hf())
+    assert [name for name, _ in exported] == [name for name, _ in expected]
+    for (name, tensor), (_, want) in zip(exported, expected):
+        assert torch.equal(tensor, want), name
+    pp_rank = model.parallel_state.pp_rank
+    assert [name for name, _ in model.export_hf(stage_only=True)] == [
+        name for name, _ in expected if stage_of(name, config.num_hidden_layers, pp) == pp_rank]
+    model.save_pretrained(directory / f"rank{rank}")  # by default only global rank 0 writes
+
+
+def check_pipeline_save(config, tmp_path, tp, ranks):
+    run_on_ranks(pp_export_worker, tmp_path, config, tp, tmp_path, ranks=ranks)
+    assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0"]
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "rank0", dtype=torch.float32).eval()
+    reference = from_config(config, dtype=torch.float32, seed=0)
+    input_ids, cu_seqlens = batch(config, (13,))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(input_ids[None]).logits[0], reference.logits(input_ids, cu_seqlens),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama3", "qwen3-tied"])
+def test_pipeline_export_and_save_are_the_whole_model(config_of, family, tmp_path):
+    # tied: the embedding lives on the first stage and the LM-head copy on the last; the checkpoint has one
+    check_pipeline_save(config_of(family), tmp_path, tp=1, ranks=2)
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_export_and_save_are_the_whole_model(config_of, tmp_path):
+    check_pipeline_save(config_of("qwen2"), tmp_path, tp=2, ranks=4)
+
+
+@pytest.mark.multigpu
+def test_pipeline_export_and_save_over_nccl_are_the_whole_model(config_of, tmp_path):
+    run_on_ranks(pp_export_worker, tmp_path, config_of("qwen3-tied"), 1, tmp_path, nccl=True)
+    assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0"]
 
 
 def dp_worker(rank, config):

@@ -133,9 +133,10 @@ class DecoderModel(nn.Module):
         """Full ``[T, V]`` logits, for tests and debugging only; training applies the head in redline.kernels."""
         return self.forward(input_ids, cu_seqlens) @ self.lm_head_weight().t()
 
-    def export_hf(self):
-        """``(hf_name, tensor)`` pairs in HF naming/layout; see ``redline.trainer.models.export.export_hf``."""
-        return export_hf(self)
+    def export_hf(self, *, stage_only: bool = False):
+        """``(hf_name, tensor)`` pairs in HF naming/layout, the whole model even under PP unless ``stage_only``;
+        see ``redline.trainer.models.export.export_hf``."""
+        return export_hf(self, stage_only=stage_only)
 
     def save_pretrained(self, directory, **options) -> None:
         """Write a HF directory transformers loads; see ``redline.trainer.models.export.save_pretrained``."""

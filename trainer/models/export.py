@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -71,24 +72,54 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return shard.gather(tensor.detach()) if shard is not None else tensor.detach()
 
 
+def full_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape ``full_tensor`` returns, without gathering."""
+    shard = getattr(tensor, "tp_shard", None)
+    return shard.full_shape(tensor) if shard is not None else tensor.shape
+
+
+def _full_entries(model, *, stage_only: bool = False):
+    """``(hf_names, full tensor, parts)``: this stage's entries, or under PP (unless ``stage_only``) every
+    stage's, broadcast over the pipeline group in stage order."""
+    entries = list(hf_entries(model))
+    state = getattr(model, "pp_state", None)
+    if state is None or stage_only:
+        for names, tensor, parts in entries:
+            yield names, full_tensor(tensor), parts
+        return
+    from redline.trainer.parallel.pipeline import broadcast_stages  # parallel imports this module
+
+    announced = [((names, parts), full_shape(tensor), tensor.dtype) for names, tensor, parts in entries]
+    device = next(model.parameters()).device
+    for (names, parts), tensor in broadcast_stages(announced, (full_tensor(t) for _, t, _ in entries), state,
+                                                   device):
+        yield names, tensor, parts
+
+
 @torch.no_grad()
-def export_hf(model) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(model, *, stage_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` in HF naming and layout: full (TP-gathered) tensors, each layer's together.
 
     Tied embeddings export only ``model.embed_tokens.weight``, as HF checkpoints do. Under TP every rank must
-    iterate (the gathers are collectives); under PP each stage yields the tensors it holds.
+    iterate (the gathers are collectives). Under PP every stage yields the whole model, in the unsplit model's
+    order: each stage's tensors are broadcast over the pipeline group, so every rank must iterate to the end.
+    ``stage_only=True`` yields just this stage's tensors with no pipeline communication (a per-stage consumer,
+    such as a weight sync sending from each stage's rank 0); without PP it is the whole model too.
     """
-    for names, tensor, parts in hf_entries(model):
-        yield from zip(names, full_tensor(tensor).split(parts, dim=0))
+    for names, tensor, parts in _full_entries(model, stage_only=stage_only):
+        yield from zip(names, tensor.split(parts, dim=0))
 
 
 def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    write: bool = True) -> None:
+                    write: bool | None = None) -> None:
     """Write ``config.json`` and safetensors shards (+ index when more than one) that ``transformers`` loads.
 
     Tensors stream from ``export_hf`` into shards of at most ``max_shard_bytes``, each written as soon as it is
-    full. Under TP call it on every rank (the gathers are collectives) with ``write=True`` on one rank only.
+    full. Under TP/PP call it on every rank (the gathers are collectives); one rank writes the whole model:
+    ``write=None`` means global rank 0 (or the only process), ``write=True/False`` decides for this rank.
     """
+    if write is None:
+        write = not dist.is_initialized() or dist.get_rank() == 0
     directory = Path(directory)
     if write:
         directory.mkdir(parents=True, exist_ok=True)
@@ -103,6 +134,8 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
         shard.clear()
 
     for name, tensor in export_hf(model):
+        if name == "model.embed_tokens.weight":  # the checkpoint's dtype; under PP not this stage's to read
+            dtype = tensor.dtype
         size = tensor.numel() * tensor.element_size()
         if shard and shard_bytes + size > max_shard_bytes:
             flush()
@@ -114,7 +147,7 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
         return
     flush()
     config = copy.deepcopy(model.hf_config)
-    config.dtype = model.embed_tokens.weight.dtype
+    config.dtype = dtype
     config.save_pretrained(directory)
     if len(written) == 1:
         written[0][0].rename(directory / SAFE_SINGLE)

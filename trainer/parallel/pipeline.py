@@ -8,7 +8,7 @@ shape exchange is needed.
 
 import functools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,29 @@ def split_stage(model: nn.Module, state: ParallelState) -> nn.Module:
         model.lm_head = None
     model.pp_state = state
     return model
+
+
+@torch.no_grad()
+def broadcast_stages(announced: list[tuple[object, torch.Size, torch.dtype]], tensors: Iterator[torch.Tensor],
+                     state: ParallelState, device) -> Iterator[tuple[object, torch.Tensor]]:
+    """Every stage's tensors on every stage of the pipeline, stage 0's first: ``(key, tensor)``.
+
+    ``announced`` lists this stage's tensors as ``(key, shape, dtype)`` (keys must pickle); ``tensors`` produces
+    them in that order, lazily. The announcements travel once (``all_gather_object`` over the PP group), then
+    each tensor is broadcast from its stage over the PP group: one tensor in flight at a time, and the same
+    collectives on gloo and NCCL. Every rank of the PP group must iterate to the end.
+    """
+    everyone = [None] * state.pp
+    dist.all_gather_object(everyone, announced, group=state.pp_group)
+    for stage, entries in enumerate(everyone):
+        source = dist.get_global_rank(state.pp_group, stage)
+        for key, shape, dtype in entries:
+            if stage == state.pp_rank:
+                tensor = next(tensors).contiguous()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=source, group=state.pp_group)
+            yield key, tensor
 
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids [T], cu_seqlens [S+1])

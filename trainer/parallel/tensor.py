@@ -35,6 +35,11 @@ class ShardInfo:
     group: object
     parts: tuple[int, ...] | None = None
 
+    def full_shape(self, shard: torch.Tensor) -> torch.Size:
+        shape = list(shard.shape)
+        shape[self.dim] *= dist.get_world_size(self.group)
+        return torch.Size(shape)
+
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(pieces, shard.contiguous(), group=self.group)
