@@ -7,6 +7,8 @@ of seeds, so successive evaluations differ only by the weights.
 """
 
 import asyncio
+import contextlib
+import os
 
 from redline.rollout.data import DataSource, PromptDataset
 from redline.rollout.evaluation import EvalSet, evaluate
@@ -83,7 +85,10 @@ def build_engine(config, tokenizer, *, device, dtype, log_dir="logs"):
     """The run's rollout engine: colocated with the trainer (same device), or with ``--no-colocate`` one
     embedded engine process per engine device (``engine_devices``), behind an ``EngineGroup`` when several."""
     if not config.parallel.colocate:
-        engines = [build_embedded_process(config, device=d, dtype=dtype) for d in engine_devices(config)]
+        engines = []
+        for d in engine_devices(config):
+            with only_gpu(d):  # the child sees its GPU as cuda:0, in every one of its threads
+                engines.append(build_embedded_process(config, device=d if d.type == "cpu" else "cuda:0", dtype=dtype))
         return engines[0] if len(engines) == 1 else EngineGroup(engines)
     if resolve_engine(config) == "sglang":
         return build_sglang_engine(config, log_dir=log_dir)
@@ -150,6 +155,26 @@ def engine_devices(config) -> list:
     if not torch.cuda.is_available():
         return [torch.device("cpu")] * n
     return [torch.device("cuda", 1 + i) for i in range(n)]
+
+
+@contextlib.contextmanager
+def only_gpu(device):
+    """While a child process is spawned: ``CUDA_VISIBLE_DEVICES`` names only ``device`` (of this process's
+    numbering), so everything the child runs on its current device — CUDA graph capture streams, Triton launches,
+    NCCL — lands on that GPU, from any thread. Nothing on the CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [v.strip() for v in before.split(",")] if before else [str(i) for i in range(device.index + 1)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class EngineGroup:

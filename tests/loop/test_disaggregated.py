@@ -83,3 +83,19 @@ def test_placement_checks_name_the_flag(tmp_path, monkeypatch):
     check_placement(config)  # GPU 0 trains, GPU 1 serves
     with pytest.raises(ConfigError, match="3 in all, but 2 are visible"):
         check_placement(apply_overrides(config, {"rollout_num_gpus": "2"}))
+
+
+@pytest.mark.slow
+def test_a_dead_engine_fails_the_push_instead_of_hanging(tmp_path):
+    import time
+
+    state = built(tmp_path, distributed_timeout_minutes="0.1")
+    try:
+        state.engine._process.kill()
+        began = time.perf_counter()
+        with pytest.raises(Exception) as failure:  # noqa: B017 - gloo's error or the bounded wait's timeout
+            state.loop.run_until_complete(state.weight_sync.push("1"))
+        assert time.perf_counter() - began < 45, failure.value
+    finally:
+        state.weight_sync.group = None  # the dead engine cannot leave the group
+        state.engine._closed = True
