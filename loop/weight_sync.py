@@ -84,7 +84,7 @@ class BroadcastWeightSync:
         from redline.sync.broadcast import BroadcastSender, init_weight_update_group, stage_group_name
 
         address, port, world = "127.0.0.1", _free_port(), 1 + len(self.engines)
-        name = stage_group_name(0)
+        name = f"{stage_group_name(0)}-{port}"  # unique in this process, also when an earlier run left its group
 
         def join():
             with self._on_device():
