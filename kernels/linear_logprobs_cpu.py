@@ -96,15 +96,27 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
         h = rows_of(hidden, rows, t0, t1).float()
         local_target = rows_of(targets, rows, t0, t1) - vocab_offset
         g_ent = None if grad_entropy is None else grad_entropy[t0:t1]
-        dh = torch.zeros((t1 - t0, width), dtype=torch.float32, device=hidden.device)
-        for v0 in range(0, vocab, vocab_chunk):
-            w = weight[v0:v0 + vocab_chunk].float()
-            dz = dlogits((h @ w.t()) * inv_temp, local_target, v0, lse[t0:t1], sum_pz[t0:t1], grad_logp[t0:t1],
-                         g_ent, inv_temp)
-            dh += dz @ w
-            d_weight[v0:v0 + vocab_chunk] += dz.t() @ h
-        if rows is None:
-            d_hidden[t0:t1] = dh
-        else:
-            d_hidden.index_copy_(0, rows[t0:t1], dh)
+        dh = chunk_gradients(h, weight, vocab_chunk, d_weight, lambda v0, w: dlogits(
+            (h @ w.t()) * inv_temp, local_target, v0, lse[t0:t1], sum_pz[t0:t1], grad_logp[t0:t1], g_ent, inv_temp))
+        store_rows(d_hidden, rows, t0, t1, dh)
     return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype)
+
+
+def chunk_gradients(h, weight, vocab_chunk: int, d_weight, dz_of) -> torch.Tensor:
+    """``dh [t, H]`` fp32 of one token chunk ``h [t, H]`` fp32: per vocab chunk ``dz = dz_of(v0, w)`` (``w`` the
+    chunk's fp32 weight rows), ``dh += dz w`` and, in place, ``d_weight[v0:…] += dzᵀ h``."""
+    dh = torch.zeros((h.shape[0], weight.shape[1]), dtype=torch.float32, device=h.device)
+    for v0 in range(0, weight.shape[0], vocab_chunk):
+        w = weight[v0:v0 + vocab_chunk].float()
+        dz = dz_of(v0, w)
+        dh += dz @ w
+        d_weight[v0:v0 + vocab_chunk] += dz.t() @ h
+    return dh
+
+
+def store_rows(d_hidden, rows, t0: int, t1: int, dh) -> None:
+    """Write selected rows t0…t1−1's ``dh`` into ``d_hidden`` (rows None: all rows, in order)."""
+    if rows is None:
+        d_hidden[t0:t1] = dh
+    else:
+        d_hidden.index_copy_(0, rows[t0:t1], dh)

@@ -8,7 +8,7 @@ at the end. The epilogues are ``linear_logprobs_cpu``'s.
 
 import torch
 
-from .linear_logprobs_cpu import dlogits, piece_stats, rows_of
+from .linear_logprobs_cpu import chunk_gradients, dlogits, piece_stats, rows_of, store_rows
 from .vocab_stats import all_reduce, finalize, merge
 
 
@@ -45,15 +45,7 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
         logp, entropy, lse = finalize(stats)
         logp_out[t0:t1], entropy_out[t0:t1] = logp, entropy
         g_lp, g_ent = token_grads(t0, t1, logp, entropy)
-        dh = torch.zeros((t1 - t0, width), dtype=torch.float32, device=hidden.device)
-        for v0 in range(0, vocab, vocab_chunk):
-            w = weight[v0:v0 + vocab_chunk].float()
-            dz = dlogits(z[:t1 - t0, v0:v0 + vocab_chunk], local_target, v0, lse, lse - entropy, g_lp, g_ent,
-                         inv_temp)
-            dh += dz @ w
-            d_weight[v0:v0 + vocab_chunk] += dz.t() @ h
-        if rows is None:
-            d_hidden[t0:t1] = dh
-        else:
-            d_hidden.index_copy_(0, rows[t0:t1], dh)
+        dh = chunk_gradients(h, weight, vocab_chunk, d_weight, lambda v0, _w: dlogits(
+            z[:t1 - t0, v0:v0 + vocab_chunk], local_target, v0, lse, lse - entropy, g_lp, g_ent, inv_temp))
+        store_rows(d_hidden, rows, t0, t1, dh)
     return logp_out, entropy_out, d_hidden.to(hidden.dtype), d_weight.to(weight.dtype)
