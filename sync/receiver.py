@@ -56,16 +56,10 @@ class TargetLoader:
     def __call__(self, views: NamedViews) -> None:
         dsts, srcs = [], []
         for name, view in views:
-            target = self.targets.get(name)
+            target = self._target(name, view.shape, view.dtype)
             if target is None:
-                if self.strict:
-                    raise KeyError(f"the receiver has no tensor named {name!r} (it has {len(self.targets)} "
-                                   "tensors; is the export's naming the engine's HF naming?)")
                 self.skipped.add(name)
                 continue
-            if target.shape != view.shape or target.dtype != view.dtype:
-                raise ValueError(f"{name!r}: the receiver's tensor is {target.dtype}{list(target.shape)}, the "
-                                 f"bucket carries {view.dtype}{list(view.shape)}")
             dsts.append(target)
             srcs.append(view)
             self.loaded.add(name)
@@ -95,18 +89,11 @@ class TargetLoader:
         else:
             targets, mirrors, names, skipped = [], [], [], []
             for meta in layout.tensors:
-                target = self.targets.get(meta.name)
-                if target is None:
-                    if self.strict:
-                        raise KeyError(f"the receiver has no tensor named {meta.name!r} (it has "
-                                       f"{len(self.targets)} tensors; is the export's naming the engine's HF naming?)")
-                    skipped.append(meta.name)
-                    targets.append(None)
-                    continue
-                if target.shape != meta.shape or target.dtype != meta.dtype:
-                    raise ValueError(f"{meta.name!r}: the receiver's tensor is {target.dtype}{list(target.shape)}, "
-                                     f"the bucket carries {meta.dtype}{list(meta.shape)}")
+                target = self._target(meta.name, meta.shape, meta.dtype)
                 targets.append(target)
+                if target is None:
+                    skipped.append(meta.name)
+                    continue
                 names.append(meta.name)
                 for alias in self.mirrors.get(meta.name, ()):
                     mirrors.append((self.targets[alias], target))
@@ -115,6 +102,20 @@ class TargetLoader:
         self.loaded.update(names)
         self.skipped.update(skipped)
         return targets, mirrors
+
+    def _target(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """``targets[name]``, checked against the bucket's ``shape`` and ``dtype``; None for a name the receiver
+        lacks when not ``strict`` (the caller counts it as skipped)."""
+        target = self.targets.get(name)
+        if target is None:
+            if self.strict:
+                raise KeyError(f"the receiver has no tensor named {name!r} (it has {len(self.targets)} "
+                               "tensors; is the export's naming the engine's HF naming?)")
+            return None
+        if target.shape != shape or target.dtype != dtype:
+            raise ValueError(f"{name!r}: the receiver's tensor is {target.dtype}{list(target.shape)}, the "
+                             f"bucket carries {dtype}{list(shape)}")
+        return target
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
