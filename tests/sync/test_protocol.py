@@ -1,6 +1,7 @@
 """The pipelined protocol over CPU shared memory between processes: ordering, slot reuse, checksums,
 failures, and bit-exact weights over repeated syncs."""
 
+import contextlib
 import multiprocessing as mp
 
 import pytest
@@ -37,6 +38,29 @@ def stop(sender, proc):
     assert proc.exitcode == 0
 
 
+@contextlib.contextmanager
+def connected(target, *args, plan, ctx=CTX, **sender_kwargs):
+    """A receiver process running ``target(conn, *args)`` and a sender to it; when the block ends the sender
+    closes the channel and the receiver must have exited cleanly (exit code 0)."""
+    proc, conn = start(target, *args, ctx=ctx)
+    sender = sender_for(conn, proc, plan, **sender_kwargs)
+    try:
+        yield sender
+    except BaseException:
+        proc.kill()  # the block failed: do not leave the receiver behind
+        raise
+    stop(sender, proc)
+
+
+def flat_buckets(plan, export):
+    """The export laid out in one shared flat uint8 buffer per bucket (parameters living in flat storage)."""
+    flats = [torch.empty(b.nbytes, dtype=torch.uint8).share_memory_() for b in plan.buckets]
+    for bucket, flat in zip(plan.buckets, flats):
+        for name, view in bucket.views(flat):
+            view.copy_(dict(export)[name])
+    return flats
+
+
 def assert_targets_equal(targets, export, plan=None):
     for name, tensor in export:
         source = (plan.aliases.get(name, name) if plan else name)
@@ -47,25 +71,21 @@ def test_twenty_syncs_leave_bit_exact_weights():
     export = qwen3_export(num_layers=4)
     plan = plan_for(export, bucket_bytes=layer_bytes())
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.copy_receiver, targets)
-    sender = sender_for(conn, proc, plan)
-    for step in range(20):
-        export = qwen3_export(num_layers=4, seed=step)
-        report = sender.sync(export)
-        assert report.buckets == len(plan.buckets) and report.nbytes == plan.nbytes
-        assert_targets_equal(targets, export)
-    stop(sender, proc)
+    with connected(sync_procs.copy_receiver, targets, plan=plan) as sender:
+        for step in range(20):
+            export = qwen3_export(num_layers=4, seed=step)
+            report = sender.sync(export)
+            assert report.buckets == len(plan.buckets) and report.nbytes == plan.nbytes
+            assert_targets_equal(targets, export)
 
 
 def test_tied_lm_head_is_filled_from_the_embedding():
     export = qwen3_export(num_layers=1)
     plan = plan_for(export, tie_word_embeddings=True)
     targets = sync_procs.shared_zeros_like(export)  # the engine keeps lm_head as a separate tensor
-    proc, conn = start(sync_procs.copy_receiver, targets, plan.aliases)
-    sender = sender_for(conn, proc, plan)
-    sender.sync(export)
-    assert torch.equal(targets["lm_head.weight"], dict(export)["model.embed_tokens.weight"])
-    stop(sender, proc)
+    with connected(sync_procs.copy_receiver, targets, plan.aliases, plan=plan) as sender:
+        sender.sync(export)
+        assert torch.equal(targets["lm_head.weight"], dict(export)["model.embed_tokens.weight"])
 
 
 def test_sender_runs_ahead_by_one_bucket_and_never_by_more_than_the_slots():
@@ -74,47 +94,41 @@ def test_sender_runs_ahead_by_one_bucket_and_never_by_more_than_the_slots():
     targets = sync_procs.shared_zeros_like(export)
     produced = torch.zeros(1, dtype=torch.int64).share_memory_()
     seen = torch.full((len(plan.buckets),), -1, dtype=torch.int64).share_memory_()
-    proc, conn = start(sync_procs.watching_receiver, targets, produced, seen, 0.05)
-    sender = sender_for(conn, proc, plan, num_slots=2)
+    with connected(sync_procs.watching_receiver, targets, produced, seen, 0.05, plan=plan, num_slots=2) as sender:
+        def counted():
+            for item in export:
+                yield item
+                produced[0] += 1
 
-    def counted():
-        for item in export:
-            yield item
-            produced[0] += 1
-
-    sender.sync(counted())
-    # tensors of buckets 0..k, i.e. what the sender must have produced to pack bucket k
-    through = torch.tensor([len(b.tensors) for b in plan.buckets]).cumsum(0)
-    assert_targets_equal(targets, export)
-    for k in range(1, len(plan.buckets)):
-        # bucket k's load starts only after its tensors were packed ...
-        assert seen[k] >= through[k] - 1
-        # ... and bucket k+2 cannot have been packed yet (its slot is the one bucket k is read from), so no
-        # tensor of bucket k+3 can have been pulled from the export
-        if k + 2 < len(plan.buckets):
-            assert seen[k] <= through[k + 2]
-    stop(sender, proc)
+        sender.sync(counted())
+        # tensors of buckets 0..k, i.e. what the sender must have produced to pack bucket k
+        through = torch.tensor([len(b.tensors) for b in plan.buckets]).cumsum(0)
+        assert_targets_equal(targets, export)
+        for k in range(1, len(plan.buckets)):
+            # bucket k's load starts only after its tensors were packed ...
+            assert seen[k] >= through[k] - 1
+            # ... and bucket k+2 cannot have been packed yet (its slot is the one bucket k is read from), so no
+            # tensor of bucket k+3 can have been pulled from the export
+            if k + 2 < len(plan.buckets):
+                assert seen[k] <= through[k + 2]
 
 
 def test_one_slot_is_correct_too():
     export = qwen3_export(num_layers=3)
     plan = plan_for(export, bucket_bytes=layer_bytes())
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.copy_receiver, targets)
-    sender = sender_for(conn, proc, plan, num_slots=1)
-    sender.sync(export)
-    assert_targets_equal(targets, export)
-    stop(sender, proc)
+    with connected(sync_procs.copy_receiver, targets, plan=plan, num_slots=1) as sender:
+        sender.sync(export)
+        assert_targets_equal(targets, export)
 
 
 def test_bytes_changed_on_the_receiver_side_raise_checksum_mismatch():
     export = qwen3_export(num_layers=3)
     plan = plan_for(export, bucket_bytes=layer_bytes())
-    proc, conn = start(sync_procs.corrupting_receiver, sync_procs.shared_zeros_like(export), 2)
-    sender = sender_for(conn, proc, plan)
-    with pytest.raises(ChecksumMismatch, match=r"buckets \[2\]"):
+    targets = sync_procs.shared_zeros_like(export)
+    with (connected(sync_procs.corrupting_receiver, targets, 2, plan=plan) as sender,
+          pytest.raises(ChecksumMismatch, match=r"buckets \[2\]")):
         sender.sync(export)
-    stop(sender, proc)
 
 
 def test_receiver_crash_is_reported_not_waited_for():
@@ -132,29 +146,22 @@ def test_receiver_error_carries_its_traceback_and_the_next_sync_succeeds():
     export = qwen3_export(num_layers=3)
     plan = plan_for(export, bucket_bytes=layer_bytes())
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.failing_once_receiver, targets)
-    sender = sender_for(conn, proc, plan)
-    with pytest.raises(ReceiverFailed, match="simulated load failure"):
+    with connected(sync_procs.failing_once_receiver, targets, plan=plan) as sender:
+        with pytest.raises(ReceiverFailed, match="simulated load failure"):
+            sender.sync(export)
         sender.sync(export)
-    sender.sync(export)
-    assert_targets_equal(targets, export)
-    stop(sender, proc)
+        assert_targets_equal(targets, export)
 
 
 def test_zero_copy_sync_exports_flat_storage_without_packing():
     export = qwen3_export(num_layers=3)
     plan = plan_for(export, bucket_bytes=layer_bytes())
-    flats = [torch.empty(b.nbytes, dtype=torch.uint8).share_memory_() for b in plan.buckets]
-    for bucket, flat in zip(plan.buckets, flats):  # the trainer's parameters living in flat storage
-        for name, view in bucket.views(flat):
-            view.copy_(dict(export)[name])
+    flats = flat_buckets(plan, export)
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.copy_receiver, targets)
-    sender = sender_for(conn, proc, plan)
-    report = sender.sync_flat(flats)
-    assert report.mode == "zero-copy"
-    assert_targets_equal(targets, export)
-    stop(sender, proc)
+    with connected(sync_procs.copy_receiver, targets, plan=plan) as sender:
+        report = sender.sync_flat(flats)
+        assert report.mode == "zero-copy"
+        assert_targets_equal(targets, export)
 
 
 def test_target_loader_names_a_tensor_the_receiver_lacks():
@@ -200,11 +207,10 @@ def test_target_loader_leaves_a_shared_tied_tensor_alone():
 def test_sampled_checksums_still_catch_a_scribbled_bucket():
     export = qwen3_export(num_layers=3)
     plan = plan_for(export, bucket_bytes=layer_bytes())
-    proc, conn = start(sync_procs.corrupting_receiver, sync_procs.shared_zeros_like(export), 1)
-    sender = sender_for(conn, proc, plan, checksum_row_stride=4)
-    with pytest.raises(ChecksumMismatch, match=r"buckets \[1\]"):  # the scribble hits row 0 of the bucket
+    targets = sync_procs.shared_zeros_like(export)
+    with (connected(sync_procs.corrupting_receiver, targets, 1, plan=plan, checksum_row_stride=4) as sender,
+          pytest.raises(ChecksumMismatch, match=r"buckets \[1\]")):  # the scribble hits row 0 of the bucket
         sender.sync(export)
-    stop(sender, proc)
 
 
 def test_staging_slots_are_mapped_once_for_all_syncs():
@@ -212,17 +218,15 @@ def test_staging_slots_are_mapped_once_for_all_syncs():
     plan = plan_for(export, bucket_bytes=layer_bytes())
     counts = torch.zeros(2, dtype=torch.int64).share_memory_()
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.counting_receiver, targets, counts)
-    sender = sender_for(conn, proc, plan, num_slots=2)
-    slots = None
-    for step in range(5):
-        export = qwen3_export(num_layers=4, seed=step)
-        sender.sync(export)
-        assert_targets_equal(targets, export)
-        slots = slots or [s.data_ptr() for s in sender._slots]
-        assert [s.data_ptr() for s in sender._slots] == slots  # the same staging buffers every sync
-    assert counts.tolist() == [2, 2]
-    stop(sender, proc)
+    with connected(sync_procs.counting_receiver, targets, counts, plan=plan, num_slots=2) as sender:
+        slots = None
+        for step in range(5):
+            export = qwen3_export(num_layers=4, seed=step)
+            sender.sync(export)
+            assert_targets_equal(targets, export)
+            slots = slots or [s.data_ptr() for s in sender._slots]
+            assert [s.data_ptr() for s in sender._slots] == slots  # the same staging buffers every sync
+        assert counts.tolist() == [2, 2]
 
 
 def test_release_unmaps_the_slots_and_the_next_sync_maps_new_ones():
@@ -230,24 +234,14 @@ def test_release_unmaps_the_slots_and_the_next_sync_maps_new_ones():
     plan = plan_for(export, bucket_bytes=layer_bytes())
     counts = torch.zeros(2, dtype=torch.int64).share_memory_()
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.counting_receiver, targets, counts)
-    sender = sender_for(conn, proc, plan, num_slots=2)
-    sender.sync(export)
-    sender.release()
-    assert counts[1] == 0 and sender._slots == []
-    export = qwen3_export(num_layers=3, seed=1)
-    sender.sync(export)
-    assert_targets_equal(targets, export)
-    assert counts.tolist() == [4, 2]
-    stop(sender, proc)
-
-
-def flat_buckets(plan, export):
-    flats = [torch.empty(b.nbytes, dtype=torch.uint8).share_memory_() for b in plan.buckets]
-    for bucket, flat in zip(plan.buckets, flats):
-        for name, view in bucket.views(flat):
-            view.copy_(dict(export)[name])
-    return flats
+    with connected(sync_procs.counting_receiver, targets, counts, plan=plan, num_slots=2) as sender:
+        sender.sync(export)
+        sender.release()
+        assert counts[1] == 0 and sender._slots == []
+        export = qwen3_export(num_layers=3, seed=1)
+        sender.sync(export)
+        assert_targets_equal(targets, export)
+        assert counts.tolist() == [4, 2]
 
 
 def test_zero_copy_maps_each_flat_bucket_once_and_unmaps_buffers_no_longer_used():
@@ -255,30 +249,26 @@ def test_zero_copy_maps_each_flat_bucket_once_and_unmaps_buffers_no_longer_used(
     plan = plan_for(export, bucket_bytes=layer_bytes())
     counts = torch.zeros(2, dtype=torch.int64).share_memory_()
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.counting_receiver, targets, counts)
-    sender = sender_for(conn, proc, plan)
-    flats = flat_buckets(plan, export)
-    for _ in range(3):
-        sender.sync_flat(flats)
-    assert counts.tolist() == [len(plan.buckets)] * 2
-    export = qwen3_export(num_layers=3, seed=5)
-    sender.sync_flat(flat_buckets(plan, export))  # the trainer moved its parameters: new buffers
-    assert_targets_equal(targets, export)
-    assert counts.tolist() == [2 * len(plan.buckets), len(plan.buckets)]
-    stop(sender, proc)
+    with connected(sync_procs.counting_receiver, targets, counts, plan=plan) as sender:
+        flats = flat_buckets(plan, export)
+        for _ in range(3):
+            sender.sync_flat(flats)
+        assert counts.tolist() == [len(plan.buckets)] * 2
+        export = qwen3_export(num_layers=3, seed=5)
+        sender.sync_flat(flat_buckets(plan, export))  # the trainer moved its parameters: new buffers
+        assert_targets_equal(targets, export)
+        assert counts.tolist() == [2 * len(plan.buckets), len(plan.buckets)]
 
 
 def test_pipelined_and_zero_copy_syncs_alternate_on_one_connection():
     export = qwen3_export(num_layers=3)
     plan = plan_for(export, bucket_bytes=layer_bytes())
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.copy_receiver, targets)
-    sender = sender_for(conn, proc, plan)
-    for step in range(4):
-        export = qwen3_export(num_layers=3, seed=step)
-        sender.sync(export) if step % 2 else sender.sync_flat(flat_buckets(plan, export))
-        assert_targets_equal(targets, export)
-    stop(sender, proc)
+    with connected(sync_procs.copy_receiver, targets, plan=plan) as sender:
+        for step in range(4):
+            export = qwen3_export(num_layers=3, seed=step)
+            sender.sync(export) if step % 2 else sender.sync_flat(flat_buckets(plan, export))
+            assert_targets_equal(targets, export)
 
 
 def test_fused_triton_load_and_pack_agree_with_each_other():
@@ -289,24 +279,21 @@ def test_fused_triton_load_and_pack_agree_with_each_other():
     plan = plan_for(export, bucket_bytes=layer_bytes())
     targets = sync_procs.shared_zeros_like(export)
     # spawn: a process forked after this one ran Triton's interpreter can hang in it
-    proc, conn = start(sync_procs.triton_receiver, targets, ctx=mp.get_context("spawn"))
-    sender = sender_for(conn, proc, plan, copier=BucketCopier("triton"))
-    for step in range(3):
-        export = qwen3_export(num_layers=3, seed=step, norm_dtype=torch.float32)
-        sender.sync(export)
-        assert_targets_equal(targets, export)
-    stop(sender, proc)
+    with connected(sync_procs.triton_receiver, targets, plan=plan, ctx=mp.get_context("spawn"),
+                   copier=BucketCopier("triton")) as sender:
+        for step in range(3):
+            export = qwen3_export(num_layers=3, seed=step, norm_dtype=torch.float32)
+            sender.sync(export)
+            assert_targets_equal(targets, export)
 
 
 def test_a_target_loader_skipping_names_still_checks_the_whole_bucket():
     export = qwen3_export(num_layers=2)
     plan = plan_for(export, bucket_bytes=layer_bytes())
     targets = {n: t for n, t in sync_procs.shared_zeros_like(export).items() if "q_norm" not in n}
-    proc, conn = start(sync_procs.lenient_receiver, targets)
-    sender = sender_for(conn, proc, plan)
-    sender.sync(export)
-    assert all(torch.equal(targets[n], t) for n, t in export if n in targets)
-    stop(sender, proc)
+    with connected(sync_procs.lenient_receiver, targets, plan=plan) as sender:
+        sender.sync(export)
+        assert all(torch.equal(targets[n], t) for n, t in export if n in targets)
 
 
 def test_buffers_shared_for_one_sync_only_are_unmapped_when_it_ends():
@@ -314,14 +301,12 @@ def test_buffers_shared_for_one_sync_only_are_unmapped_when_it_ends():
     plan = plan_for(export, bucket_bytes=layer_bytes())
     counts = torch.zeros(2, dtype=torch.int64).share_memory_()
     targets = sync_procs.shared_zeros_like(export)
-    proc, conn = start(sync_procs.counting_receiver, targets, counts)
-    sender = sender_for(conn, proc, plan)
-    for step in range(2):
-        export = qwen3_export(num_layers=2, seed=step)
-        sender.sync_flat(flat_buckets(plan, export), keep_mapped=False)
-        assert_targets_equal(targets, export)
-        assert counts[1] == 0 and sender._mapped == {}
-    stop(sender, proc)
+    with connected(sync_procs.counting_receiver, targets, counts, plan=plan) as sender:
+        for step in range(2):
+            export = qwen3_export(num_layers=2, seed=step)
+            sender.sync_flat(flat_buckets(plan, export), keep_mapped=False)
+            assert_targets_equal(targets, export)
+            assert counts[1] == 0 and sender._mapped == {}
 
 
 def test_senders_sharing_a_connection_keep_their_own_state():
