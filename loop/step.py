@@ -59,8 +59,8 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
 
     # 1. rollout: generate n samples per prompt, score them, filter groups
     samples, metrics = state.loop.run_until_complete(state.rollout.generate(rollout_id))
-    rollout_time = clock() - step_start
     t0 = clock()
+    rollout_time = t0 - step_start
     state.loop.run_until_complete(state.weight_sync.release())  # --offload-rollout: the GPU is the trainer's
     offload_time = clock() - t0
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
