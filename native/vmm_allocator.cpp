@@ -180,6 +180,15 @@ std::map<int, std::vector<std::pair<CUdeviceptr, Allocation*>>> by_device() {
   return out;
 }
 
+// Sum of bytes(allocation) over every allocation, taking the mutex (the byte counts reported to Python).
+template <typename Bytes>
+size_t total_bytes(Bytes bytes) {
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t total = 0;
+  for (auto& [ptr, a] : allocations) total += bytes(a);
+  return total;
+}
+
 // ----- a host-memory imitation of the driver calls above, for tests on machines without a GPU -----------
 // Address ranges are reserved with mmap(PROT_NONE); mapping makes them read-write with fresh, scribbled
 // contents (physical memory comes back undefined); unmapping drops the contents; copies are memcpy.
@@ -356,28 +365,17 @@ size_t redline_vmm_release_host() {
 
 // Bytes of device memory currently mapped (physically backed) by this allocator.
 size_t redline_vmm_mapped_bytes() {
-  std::lock_guard<std::mutex> lock(mutex);
-  size_t total = 0;
-  for (auto& [ptr, a] : allocations)
-    if (a.is_mapped) total += a.mapped;
-  return total;
+  return total_bytes([](const Allocation& a) { return a.is_mapped ? a.mapped : size_t{0}; });
 }
 
 // Bytes of virtual address space reserved by live allocations (mapped or paused).
 size_t redline_vmm_reserved_bytes() {
-  std::lock_guard<std::mutex> lock(mutex);
-  size_t total = 0;
-  for (auto& [ptr, a] : allocations) total += a.mapped;
-  return total;
+  return total_bytes([](const Allocation& a) { return a.mapped; });
 }
 
 // Bytes of pinned host memory held: buffers holding paused contents and buffers kept for the next pause.
 size_t redline_vmm_host_backup_bytes() {
-  std::lock_guard<std::mutex> lock(mutex);
-  size_t total = 0;
-  for (auto& [ptr, a] : allocations)
-    if (a.host_backup) total += a.size;
-  return total;
+  return total_bytes([](const Allocation& a) { return a.host_backup ? a.size : size_t{0}; });
 }
 
 // Pinned host buffers made since the library was loaded (a pause that reuses kept buffers makes none).
