@@ -285,13 +285,17 @@ def test_per_tensor_ipc(gpu_bench, model):
         sender.release()
 
 
-def test_stage_pack(gpu_bench, model):
-    """Trainer side alone: packing every bucket into one staging buffer (what the pipelined mode overlaps)."""
+def _pack_stage(model):
+    """What the pack stages measure: the model's 512 MiB plan, one staging buffer, the export by name."""
     size, specs, tied, _ = model
     plan = _plan(specs, tied, 512)
-    trainer = Trainer(specs, plan)
     staging = torch.empty(plan.capacity, dtype=torch.uint8, device=DEVICE)
-    tensors = dict(trainer.export)
+    return size, plan, staging, dict(Trainer(specs, plan).export)
+
+
+def test_stage_pack(gpu_bench, model):
+    """Trainer side alone: packing every bucket into one staging buffer (what the pipelined mode overlaps)."""
+    size, plan, staging, tensors = _pack_stage(model)
 
     def pack():
         for bucket in plan.buckets:
@@ -303,11 +307,8 @@ def test_stage_pack(gpu_bench, model):
 
 def test_stage_fused_pack(gpu_bench, model):
     """Trainer side alone: the pipelined sender's pack, which also computes every bucket's full checksum."""
-    size, specs, tied, _ = model
-    plan = _plan(specs, tied, 512)
-    trainer = Trainer(specs, plan)
-    staging = torch.empty(plan.capacity, dtype=torch.uint8, device=DEVICE)
-    tensors, copier = dict(trainer.export), BucketCopier()
+    size, plan, staging, tensors = _pack_stage(model)
+    copier = BucketCopier()
     acc = new_accumulator(len(plan.buckets), DEVICE)
 
     def pack():
