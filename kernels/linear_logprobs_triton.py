@@ -154,15 +154,22 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     logits = torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
     for t0 in range(0, n_rows, token_chunk):
         tc = min(token_chunk, n_rows - t0)
-        h = _rows_of(hidden, rows, t0, t0 + tc)
-        target = _rows_of(targets, rows, t0, t0 + tc) - vocab_offset
-        for piece, v0 in enumerate(range(0, vocab, vocab_chunk)):
-            vc = min(vocab_chunk, vocab - v0)
-            block = _block(logits, tc, vc)
-            _mm_into(block, h, weight[v0:v0 + vc].t())
-            _stats_kernel[(triton.cdiv(tc, STATS_LAUNCH["BLOCK_R"]),)](
-                block, target - v0, *parts, tc, vc, vc, t0, pieces, piece, inv_temp, **STATS_LAUNCH)
+        chunk_stats(_rows_of(hidden, rows, t0, t0 + tc), weight, _rows_of(targets, rows, t0, t0 + tc) - vocab_offset,
+                    vocab_chunk, lambda v0, vc: _block(logits, tc, vc), parts, t0, inv_temp)
     return combine(RowStats(*parts))
+
+
+def chunk_stats(h, weight, target, vocab_chunk: int, block_of, parts, row0: int, inv_temp: float) -> None:
+    """Softmax statistics of one token chunk ``h [t, H]`` (``target [t]`` local ids) into rows row0… of ``parts``
+    ``[5, R, vocab chunks]``: per vocab chunk, cuBLAS writes the fp32 logits into ``block_of(v0, vc)`` (a
+    contiguous ``[t, vc]`` view of the workspace) and ``_stats_kernel`` folds them."""
+    tc, vocab = h.shape[0], weight.shape[0]
+    for piece, v0 in enumerate(range(0, vocab, vocab_chunk)):
+        vc = min(vocab_chunk, vocab - v0)
+        block = block_of(v0, vc)
+        _mm_into(block, h, weight[v0:v0 + vc].t())
+        _stats_kernel[(triton.cdiv(tc, STATS_LAUNCH["BLOCK_R"]),)](
+            block, target - v0, *parts, tc, vc, vc, row0, parts.shape[2], piece, inv_temp, **STATS_LAUNCH)
 
 
 def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entropy, inv_temp: float,
@@ -187,19 +194,45 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     for t0 in range(0, n_rows, token_chunk):
         tc = min(token_chunk, n_rows - t0)
         h = _rows_of(hidden, rows, t0, t0 + tc)
-        target = _rows_of(targets, rows, t0, t0 + tc) - vocab_offset
-        for v0 in range(0, vocab, vocab_chunk):
-            vc = min(vocab_chunk, vocab - v0)
-            block, dz = _block(logits, tc, vc), _block(dz_buffer, tc, vc)
+
+        def recomputed(v0: int, vc: int) -> torch.Tensor:
+            block = _block(logits, tc, vc)
             _mm_into(block, h, weight[v0:v0 + vc].t())
-            grid = (triton.cdiv(tc, TILE_R), triton.cdiv(vc, TILE_V))
-            _dlogits_kernel[grid](block, dz, target - v0, lse, entropy, grad_logp,
-                                  grad_entropy if grad_entropy is not None else grad_logp, tc, vc, t0, inv_temp,
-                                  HAS_GENT=grad_entropy is not None, TILE_R=TILE_R, TILE_V=TILE_V, num_warps=4)
-            _mm_into(dh[:tc], dz, weight[v0:v0 + vc], accumulate=v0 > 0)
-            _mm_into(d_weight[v0:v0 + vc], dz.t(), h, accumulate=t0 > 0)
-        if gather:
-            d_hidden.index_copy_(0, rows[t0:t0 + tc], dh[:tc].to(hidden.dtype))
-        else:
-            d_hidden[t0:t0 + tc].copy_(dh[:tc])
+            return block
+
+        row_values = tuple(None if x is None else x[t0:t0 + tc] for x in (lse, entropy, grad_logp, grad_entropy))
+        chunk_gradients(h, weight, _rows_of(targets, rows, t0, t0 + tc) - vocab_offset, vocab_chunk, recomputed,
+                        row_values, dz_buffer, dh, d_weight, t0 > 0, inv_temp)
+        store_rows(d_hidden, rows, t0, dh[:tc])
     return d_hidden, d_weight
+
+
+def chunk_gradients(h, weight, target, vocab_chunk: int, logits_of, row_values, dz_buffer, dh, d_weight,
+                    accumulate_dw: bool, inv_temp: float) -> None:
+    """``dh[:t]`` (fp32) of one token chunk ``h [t, H]``, and its part of ``d_weight``.
+
+    Per vocab chunk: ``logits_of(v0, vc)`` gives the chunk's fp32 logits block (contiguous ``[t, vc]``),
+    ``_dlogits_kernel`` turns it into dz (input dtype, in ``dz_buffer``), cuBLAS does ``dh += dz W_v`` and
+    ``dW_v (+)= dzᵀ h`` (added to d_weight when ``accumulate_dw``). ``row_values``: the chunk's ``(lse, entropy,
+    grad_logp, grad_entropy or None)``, each ``[t]`` fp32 contiguous.
+    """
+    lse, entropy, grad_logp, grad_entropy = row_values
+    tc, vocab = h.shape[0], weight.shape[0]
+    for v0 in range(0, vocab, vocab_chunk):
+        vc = min(vocab_chunk, vocab - v0)
+        block, dz = logits_of(v0, vc), _block(dz_buffer, tc, vc)
+        grid = (triton.cdiv(tc, TILE_R), triton.cdiv(vc, TILE_V))
+        _dlogits_kernel[grid](block, dz, target - v0, lse, entropy, grad_logp,
+                              grad_entropy if grad_entropy is not None else grad_logp, tc, vc, 0, inv_temp,
+                              HAS_GENT=grad_entropy is not None, TILE_R=TILE_R, TILE_V=TILE_V, num_warps=4)
+        _mm_into(dh[:tc], dz, weight[v0:v0 + vc], accumulate=v0 > 0)
+        _mm_into(d_weight[v0:v0 + vc], dz.t(), h, accumulate=accumulate_dw)
+
+
+def store_rows(d_hidden, rows, t0: int, dh) -> None:
+    """Write ``dh [t, H]`` fp32 (selected rows t0…t0+t−1) into ``d_hidden`` in its dtype (rows None: all, in
+    order)."""
+    if rows is None:
+        d_hidden[t0:t0 + dh.shape[0]].copy_(dh)
+    else:
+        d_hidden.index_copy_(0, rows[t0:t0 + dh.shape[0]], dh.to(d_hidden.dtype))

@@ -17,8 +17,7 @@ bytes), which is why the path needs a workspace holding many tokens' logits (``l
 import torch
 import triton
 
-from .linear_logprobs_triton import STATS_LAUNCH, TILE_R, TILE_V, _block, _dlogits_kernel, _mm_into, _rows_of
-from .linear_logprobs_triton import _stats_kernel
+from .linear_logprobs_triton import _rows_of, chunk_gradients, chunk_stats, store_rows
 from .vocab_stats import RowStats, all_reduce, combine, finalize
 
 
@@ -56,29 +55,14 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
         def logits_block(v0: int, vc: int) -> torch.Tensor:
             return logits[tc * v0: tc * (v0 + vc)].view(tc, vc)
 
-        for piece, v0 in enumerate(range(0, vocab, vocab_chunk)):
-            vc = min(vocab_chunk, vocab - v0)
-            block = logits_block(v0, vc)
-            _mm_into(block, h, weight[v0:v0 + vc].t())
-            _stats_kernel[(triton.cdiv(tc, STATS_LAUNCH["BLOCK_R"]),)](
-                block, target - v0, *parts, tc, vc, vc, 0, pieces, piece, inv_temp, **STATS_LAUNCH)
+        chunk_stats(h, weight, target, vocab_chunk, logits_block, parts, 0, inv_temp)
         stats = combine(RowStats(*parts[:, :tc]))
         if group is not None:
             stats = all_reduce(stats, group)
         logp, entropy, lse = finalize(stats)
         logp_out[t0:t0 + tc], entropy_out[t0:t0 + tc] = logp, entropy
         g_lp, g_ent = token_grads(t0, t0 + tc, logp, entropy)
-        for v0 in range(0, vocab, vocab_chunk):
-            vc = min(vocab_chunk, vocab - v0)
-            block, dz = logits_block(v0, vc), _block(dz_buffer, tc, vc)
-            grid = (triton.cdiv(tc, TILE_R), triton.cdiv(vc, TILE_V))
-            _dlogits_kernel[grid](block, dz, target - v0, lse, entropy, g_lp, g_lp if g_ent is None else g_ent, tc,
-                                  vc, 0, inv_temp, HAS_GENT=g_ent is not None, TILE_R=TILE_R, TILE_V=TILE_V,
-                                  num_warps=4)
-            _mm_into(dh[:tc], dz, weight[v0:v0 + vc], accumulate=v0 > 0)
-            _mm_into(d_weight[v0:v0 + vc], dz.t(), h, accumulate=t0 > 0)
-        if rows is not None:
-            d_hidden.index_copy_(0, rows[t0:t0 + tc], dh[:tc].to(hidden.dtype))
-        else:
-            d_hidden[t0:t0 + tc].copy_(dh[:tc])
+        chunk_gradients(h, weight, target, vocab_chunk, logits_block, (lse, entropy, g_lp, g_ent), dz_buffer, dh,
+                        d_weight, t0 > 0, inv_temp)
+        store_rows(d_hidden, rows, t0, dh[:tc])
     return logp_out, entropy_out, d_hidden, d_weight
