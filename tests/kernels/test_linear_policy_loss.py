@@ -5,10 +5,7 @@ import torch
 
 from redline.kernels import LossConfig, fused_linear_policy_loss
 from redline.kernels.reference import linear_policy_loss_reference
-
-T, H, V = 29, 16, 141
-TEMPERATURE = 0.8
-CU_SEQLENS = torch.tensor([0, 7, 7, 19, 29], dtype=torch.int32)  # includes an empty sequence
+from tests.kernels.policy_inputs import CU_SEQLENS, TEMPERATURE, make_inputs
 
 CONFIGS = {
     "ppo-k3-token-mean": LossConfig(estimator="ppo", kl_type="low_var_kl", kl_coef=0.1),
@@ -27,37 +24,12 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def make_inputs(dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(T, H, generator=gen).to(dtype)
-    weight = torch.randn(V, H, generator=gen).to(dtype)
-    targets = torch.randint(0, V, (T,), generator=gen)
-    mask = torch.rand(T, generator=gen) > 0.25
-    mask[19:] = False  # the last sequence is entirely masked
-    noise = lambda scale: torch.randn(T, generator=gen) * scale  # noqa: E731
-    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, advantages=noise(1.0),
-                old_logp=noise(0.3), ref_logp=noise(0.3), rollout_logp=noise(0.3))
-
-
-def _tensors(inputs, old_logp_base):
-    # old/ref/rollout log-probs near the current ones so ratios fall on both sides of the clip bounds
-    return {k: (old_logp_base + v if k in ("old_logp", "ref_logp", "rollout_logp") else v) for k, v in inputs.items()}
-
-
-def _current_logp(inputs):
-    from redline.kernels.reference import linear_logprobs_reference
-
-    return linear_logprobs_reference(inputs["hidden"].double(), inputs["weight"].double(), inputs["targets"],
-                                     temperature=TEMPERATURE).float()
-
-
 # None: the cost model's choice (the one-pass path for ppo/cispo at this shape); False: logits recomputed
 @pytest.mark.parametrize("one_pass", [None, False], ids=["auto", "two-pass"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_loss_metrics_and_gradients_match_fp64_reference(backend, name, one_pass):
     cfg = CONFIGS[name]
     inputs = make_inputs()
-    inputs = _tensors(inputs, _current_logp(inputs))
     hidden = inputs["hidden"].clone().requires_grad_()
     weight = inputs["weight"].clone().requires_grad_()
     kwargs = dict(cfg=cfg, temperature=TEMPERATURE, ref_logp=inputs["ref_logp"], rollout_logp=inputs["rollout_logp"],
@@ -81,7 +53,6 @@ def test_loss_metrics_and_gradients_match_fp64_reference(backend, name, one_pass
 def test_gradients_of_bf16_inputs_match_reference_to_bf16_precision(backend):
     cfg = CONFIGS["ppo-k3-token-mean"]
     inputs = make_inputs(dtype=torch.bfloat16, seed=1)
-    inputs = _tensors(inputs, _current_logp(inputs))
     hidden = inputs["hidden"].clone().requires_grad_()
     loss, _ = fused_linear_policy_loss(hidden, inputs["weight"], inputs["targets"], inputs["old_logp"],
                                        inputs["advantages"], inputs["mask"], cfg=cfg, temperature=TEMPERATURE,
@@ -108,7 +79,6 @@ def test_compiled_function_calling_the_op_matches_eager(monkeypatch):
     monkeypatch.setenv("REDLINE_KERNELS_BACKEND", "torch")
     cfg = CONFIGS["ppo-k3-token-mean"]
     inputs = make_inputs(seed=2)
-    inputs = _tensors(inputs, _current_logp(inputs))
 
     def step(h, w):
         loss, metrics = fused_linear_policy_loss(h, w, inputs["targets"], inputs["old_logp"], inputs["advantages"],
