@@ -44,11 +44,12 @@ TILE_R, TILE_V = (8, 16) if _interpreting() else (32, 256)
 
 
 @triton.jit
-def _stats_kernel(z_ptr, y_ptr, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_rows, n_cols, stride_z, out_row0,
+def _stats_kernel(z_ptr, y_ptr, col0, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_rows, n_cols, stride_z, out_row0,
                   n_pieces, piece, inv_temp, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """Softmax statistics of BLOCK_R rows of an fp32 logits block ``[n_rows, n_cols]``.
 
-    y holds each row's target id relative to the block's first column. Results go to column ``piece`` of
+    y holds each row's target id; the block's first column is id col0 (subtracted here rather than by a torch op
+    per block on the host). Results go to column ``piece`` of
     the ``[R, n_pieces]`` partials, rows ``out_row0 + r``.
 
     Each of the BLOCK_V lanes keeps its own running (max, Σexp, Σexp·(z − max)) and the lanes are merged
@@ -81,7 +82,7 @@ def _stats_kernel(z_ptr, y_ptr, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_rows, n_
     s_row = tl.sum(s * scale, axis=1)
     w_row = tl.sum(tl.where(s > 0, scale * (w + shift * s), 0.0), axis=1)
 
-    target = tl.load(y_ptr + r, mask=row_ok, other=-1)
+    target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0
     has_target = row_ok & (target >= 0) & (target < n_cols)
     zy = tl.load(z_ptr + r * stride_z + target, mask=has_target, other=0.0) * inv_temp
     out = (out_row0 + r) * n_pieces + piece
@@ -93,9 +94,10 @@ def _stats_kernel(z_ptr, y_ptr, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_rows, n_
 
 
 @triton.jit
-def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, n_rows, n_cols, row0, inv_temp,
+def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr, n_rows, n_cols, row0, inv_temp,
                     HAS_GENT: tl.constexpr, TILE_R: tl.constexpr, TILE_V: tl.constexpr):
-    """dz (input dtype) of a contiguous fp32 logits block ``[n_rows, n_cols]``; per-row values start at row0."""
+    """dz (input dtype) of a contiguous fp32 logits block ``[n_rows, n_cols]`` whose first column is id col0 (y:
+    target ids); per-row values start at row0."""
     r = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
     cols = tl.program_id(1).to(tl.int64) * TILE_V + tl.arange(0, TILE_V)
     row_ok = r < n_rows
@@ -104,7 +106,7 @@ def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, n
     z = tl.load(z_ptr + offs, mask=ok, other=0.0) * inv_temp
     lse = tl.load(lse_ptr + row0 + r, mask=row_ok, other=0.0)
     g_lp = tl.load(glp_ptr + row0 + r, mask=row_ok, other=0.0)
-    target = tl.load(y_ptr + r, mask=row_ok, other=-1)
+    target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
     p = tl.exp(z - lse[:, None])
     dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
     if HAS_GENT:
@@ -169,7 +171,7 @@ def chunk_stats(h, weight, target, vocab_chunk: int, block_of, parts, row0: int,
         block = block_of(v0, vc)
         _mm_into(block, h, weight[v0:v0 + vc].t())
         _stats_kernel[(triton.cdiv(tc, STATS_LAUNCH["BLOCK_R"]),)](
-            block, target - v0, *parts, tc, vc, vc, row0, parts.shape[2], piece, inv_temp, **STATS_LAUNCH)
+            block, target, v0, *parts, tc, vc, vc, row0, parts.shape[2], piece, inv_temp, **STATS_LAUNCH)
 
 
 def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entropy, inv_temp: float,
@@ -222,7 +224,7 @@ def chunk_gradients(h, weight, target, vocab_chunk: int, logits_of, row_values, 
         vc = min(vocab_chunk, vocab - v0)
         block, dz = logits_of(v0, vc), _block(dz_buffer, tc, vc)
         grid = (triton.cdiv(tc, TILE_R), triton.cdiv(vc, TILE_V))
-        _dlogits_kernel[grid](block, dz, target - v0, lse, entropy, grad_logp,
+        _dlogits_kernel[grid](block, dz, target, v0, lse, entropy, grad_logp,
                               grad_entropy if grad_entropy is not None else grad_logp, tc, vc, 0, inv_temp,
                               HAS_GENT=grad_entropy is not None, TILE_R=TILE_R, TILE_V=TILE_V, num_warps=4)
         _mm_into(dh[:tc], dz, weight[v0:v0 + vc], accumulate=v0 > 0)
