@@ -206,9 +206,10 @@ def _policy_inputs(h, v, t):
     return hidden, weight, targets, old_logp, ref_logp, advantages, mask
 
 
-# redline variants: (workspace MiB, one_pass) — None: the cost model picks the path (the default call)
+# redline variants: (workspace MiB, one_pass) — the default call passes neither (POLICY_LOSS_WORKSPACE_BYTES, the
+# cost model picks the path)
 REDLINE_POLICY = {
-    "redline fused_linear_policy_loss": (256, None),
+    "redline fused_linear_policy_loss": (None, None),
     "redline one-pass 256 MiB": (256, True),
     "redline one-pass 1 GiB": (1024, True),
     "redline two-pass 256 MiB": (256, False),
@@ -220,8 +221,9 @@ def _policy_path_info(h, v, t, mib, one_pass) -> dict:
     """Which path a redline variant runs, its FLOPs (6·T·H·V one pass, 8·T·H·V two passes) and the cost model's
     estimate of it (``lm_head_plan``), for the row's extra info."""
     from redline.kernels import lm_head_plan
-    from redline.kernels.linear_logprobs_triton import ALIGN
+    from redline.kernels.linear_logprobs_triton import ALIGN, POLICY_LOSS_WORKSPACE_BYTES
 
+    mib = POLICY_LOSS_WORKSPACE_BYTES // 2**20 if mib is None else mib
     shape = (t, v, h, True, 2, mib * 2**20, ALIGN)  # every row selected; the op gathers the mask's rows
     if one_pass is None:
         one_pass = lm_head_plan.choose_one_pass(*shape)
@@ -247,9 +249,10 @@ _compiled_policy_loss = torch.compile(_eager_policy_loss, dynamic=False)
 def test_policy_loss_fwd_bwd(gpu_bench, benchmark, h, v, t, provider):
     """GRPO step from hidden states: clipped surrogate + k3 KL (coef 0.04), token-mean, 1024-token sequences.
 
-    redline rows: the default call (256 MiB, path by the cost model) and each path forced at 256 MiB and 1 GiB
-    of workspace; ``flops`` is the work the path does (one pass 6·T·H·V, two passes 8·T·H·V; the cuBLAS
-    baseline row counts 8·T·H·V for its three GEMMs, so compare times, not TFLOP/s, across bases).
+    redline rows: the default call (no workspace_bytes or one_pass: 1 GiB, path by the cost model) and each path
+    forced at 256 MiB and 1 GiB of workspace; ``flops`` is the work the path does (one pass 6·T·H·V, two passes
+    8·T·H·V; the cuBLAS baseline row counts 8·T·H·V for its three GEMMs, so compare times, not TFLOP/s, across
+    bases).
     """
     from redline.kernels import LossConfig, fused_linear_policy_loss
 
@@ -264,7 +267,8 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, h, v, t, provider):
 
         def loss_fn():
             return fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, cfg=cfg,
-                                            temperature=TEMPERATURE, ref_logp=ref_logp, workspace_bytes=mib * 2**20,
+                                            temperature=TEMPERATURE, ref_logp=ref_logp,
+                                            workspace_bytes=None if mib is None else mib * 2**20,
                                             one_pass=one_pass)[0]
     elif provider == "torch.compile reference":
         def loss_fn():
