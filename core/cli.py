@@ -67,12 +67,25 @@ def _train_command():
             raise click.UsageError(str(exc)) from exc
         from redline.loop import run_training
 
+        exit_on_sigterm()
         sys.exit(run_training(config, config_path=config_path))
 
     return train
 
 
 _train_command()
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``, Slurm, torchrun tearing down a failed group) exits like Ctrl-C does: through the
+    ``finally`` blocks, which stop the SGLang servers and engine processes the run launched in their own process
+    groups (a default SIGTERM death would leave them holding GPU memory)."""
+    import signal
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
 
 
 @main.group()

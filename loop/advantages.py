@@ -84,15 +84,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, cu_resp: torch.Tensor, gamm
     return advantages, advantages + values
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(x − μ) / sqrt(σ² · n/(n−1) + eps)`` over masked entries (unbiased variance), unmasked left as is."""
-    selected = x[mask]
-    n = selected.numel()
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sum_over_ranks=None) -> torch.Tensor:
+    """``(x − μ) / sqrt(σ² · n/(n−1) + eps)`` over masked entries (unbiased variance), unmasked left as is.
+    ``sum_over_ranks(t) -> t`` (``DataParallel.sum_tensor``) makes μ and σ those of every rank's entries."""
+    selected = x[mask].double()
+    stats = torch.stack([selected.new_tensor(selected.numel()), selected.sum(), selected.square().sum()])
+    n, total, squares = (sum_over_ranks(stats) if sum_over_ranks else stats).tolist()
     if n < 2:
-        return x - selected.mean() if n else x
-    mean = selected.mean()
-    var = ((selected - mean) ** 2).mean() * n / (n - 1)
-    return torch.where(mask, (x - mean) / torch.sqrt(var + eps), x)
+        return x - total / n if n else x
+    mean = total / n
+    var = max(squares - n * mean * mean, 0.0) / (n - 1)
+    return torch.where(mask, (x - mean) / (var + eps) ** 0.5, x)
 
 
 def terminal_reward(rewards: torch.Tensor, cu_resp: torch.Tensor) -> torch.Tensor:
@@ -107,11 +109,13 @@ def terminal_reward(rewards: torch.Tensor, cu_resp: torch.Tensor) -> torch.Tenso
 def compute_advantages(estimator: str, rewards: torch.Tensor, group_ids: torch.Tensor, cu_resp: torch.Tensor,
                        loss_mask: torch.Tensor, *, kl: torch.Tensor | None = None, kl_coef: float = 0.0,
                        normalize_by_std: bool = True, gamma: float = 1.0, lambd: float = 1.0,
-                       values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       values: torch.Tensor | None = None, sum_over_ranks=None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages ``[T_r]`` (and PPO returns, else None) for one rollout batch.
 
     ``rewards [N]`` fp32 scalar rewards; ``group_ids [N]`` the prompt group of each sample; ``loss_mask [T_r]`` bool;
     ``kl [T_r]`` the per-token KL(old ‖ ref) estimate, needed when ``kl_coef > 0``; ``values [T_r]`` for ppo.
+    Whitening (reinforce_plus_plus*, ppo) is over the whole batch: with data parallelism pass ``sum_over_ranks``.
     """
     rewards = rewards.float()
     if kl_coef and kl is None:
@@ -124,16 +128,17 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, group_ids: torch.T
         return per_token(leave_one_out(rewards, group_ids), cu_resp) - kl_penalty, None
     if estimator == "reinforce_plus_plus_baseline":
         adv = per_token(group_centered(rewards, group_ids, std_normalize=False), cu_resp) - kl_penalty
-        return masked_whiten(adv, loss_mask), None
+        return masked_whiten(adv, loss_mask, sum_over_ranks=sum_over_ranks), None
     if estimator == "reinforce_plus_plus":
         token_rewards = terminal_reward(rewards, cu_resp) - kl_penalty
-        return masked_whiten(discounted_returns(token_rewards, cu_resp, gamma), loss_mask), None
+        return masked_whiten(discounted_returns(token_rewards, cu_resp, gamma), loss_mask,
+                             sum_over_ranks=sum_over_ranks), None
     if estimator == "ppo":
         if values is None:
             raise ValueError("advantage_estimator 'ppo' needs critic values")
         token_rewards = terminal_reward(rewards, cu_resp) - kl_penalty
         advantages, returns = gae(token_rewards, values, cu_resp, gamma, lambd)
-        return masked_whiten(advantages, loss_mask), returns
+        return masked_whiten(advantages, loss_mask, sum_over_ranks=sum_over_ranks), returns
     raise ValueError(f"unknown advantage_estimator {estimator!r}")
 
 

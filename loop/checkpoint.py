@@ -1,7 +1,9 @@
 """Checkpoints: HF model directory + trainer state (optimizer, scheduler, RNG, data position, counters).
 
 Layout under ``<output_dir>/checkpoints/``: ``rollout_<N>/model/`` (HF safetensors + config + tokenizer, loadable
-by transformers), ``rollout_<N>/state.pt``, and ``latest`` naming the newest ``rollout_<N>``.
+by transformers), ``rollout_<N>/state.pt`` (what every rank shares: optimizer, scheduler, counters, the world
+size), ``rollout_<N>/rank<r>.pt`` per data-parallel rank (its data position and RNG states), and ``latest``
+naming the newest ``rollout_<N>``.
 """
 
 import random
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -30,17 +33,28 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict) -> Path:
-    """Write checkpoint ``rollout_<rollout_id>`` and point ``latest`` at it; returns its folder."""
+def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict, rank_state: dict,
+         dp: DataParallel = SINGLE_PROCESS) -> Path:
+    """Write checkpoint ``rollout_<rollout_id>`` and point ``latest`` at it; returns its folder. Collective under
+    data parallelism: rank 0 writes the model and ``state`` (identical on every rank), each rank its
+    ``rank_state`` and RNG states."""
     folder = Path(root) / f"rollout_{rollout_id}"
     tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "model")
-    copy_tokenizer(tokenizer_dir, tmp / "model")
-    torch.save({**state, "rng": rng_state(), "rollout_id": rollout_id}, tmp / "state.pt")
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)  # a crash mid-save leaves the previous checkpoint intact
-    (Path(root) / "latest").write_text(folder.name)
+    if dp.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dp.barrier()
+    torch.save({**rank_state, "rng": rng_state()}, tmp / f"rank{dp.rank}.pt")
+    if dp.is_main:
+        model.save_pretrained(tmp / "model")
+        copy_tokenizer(tokenizer_dir, tmp / "model")
+        torch.save({**state, "rollout_id": rollout_id, "world_size": dp.world}, tmp / "state.pt")
+    dp.barrier()
+    if dp.is_main:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)  # a crash mid-save leaves the previous checkpoint intact
+        (Path(root) / "latest").write_text(folder.name)
+    dp.barrier()
     return folder
 
 
@@ -61,6 +75,11 @@ def resolve(load: str | Path) -> Path:
     raise FileNotFoundError(f"--load {load}: no checkpoint there (expected state.pt or a 'latest' file)")
 
 
-def load_state(folder: Path) -> dict:
-    """The trainer state of a checkpoint; RNG states are restored by the caller with ``set_rng_state``."""
-    return torch.load(Path(folder) / "state.pt", weights_only=False)
+def load_state(folder: Path, dp: DataParallel = SINGLE_PROCESS) -> tuple[dict, dict]:
+    """``(shared state, this rank's state)`` of a checkpoint; RNG states (in the rank's) are restored by the
+    caller with ``set_rng_state``. A checkpoint resumes only with the data-parallel size it was saved with."""
+    shared = torch.load(Path(folder) / "state.pt", weights_only=False)
+    if shared["world_size"] != dp.world:
+        raise ValueError(f"--load {folder}: saved by {shared['world_size']} data-parallel rank(s), this run has "
+                         f"{dp.world}; resume with the same number of processes")
+    return shared, torch.load(Path(folder) / f"rank{dp.rank}.pt", weights_only=False)

@@ -9,10 +9,11 @@ token-mean over the loss positions: ``max((V_clip − R)², (V − R)²)`` with
 import math
 
 import torch
-from torch import nn
-
+from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
+from redline.loop.gradients import accumulate_and_clip
 from redline.loop.schedule import build_optimizer, build_scheduler
 from redline.loop.worker import _forward_hidden
+from torch import nn
 
 
 class ValueModel(nn.Module):
@@ -32,8 +33,10 @@ class ValueModel(nn.Module):
 
 
 class CriticWorker:
-    def __init__(self, decoder, train_cfg, *, total_steps: int, value_clip: float, lr: float | None):
+    def __init__(self, decoder, train_cfg, *, total_steps: int, value_clip: float, lr: float | None,
+                 dp: DataParallel = SINGLE_PROCESS):
         self.model = ValueModel(decoder)
+        self.dp = dp
         self.cfg = train_cfg
         self.value_clip = value_clip
         self.optimizer = build_optimizer(self.model.parameters(), train_cfg, lr=lr)
@@ -58,14 +61,10 @@ class CriticWorker:
         """One optimizer step of the value loss over micro-batches (token-mean weights)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
-        for batch, weight in zip(batches, weights):
-            loss, metrics = self.value_loss(batch.to(self.device))
-            (loss * weight).backward()
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + float(value) * weight
-        clip = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
-        totals["value_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        totals = accumulate_and_clip(self.model, batches, weights, self.value_loss, device=self.device,
+                                     clip=self.cfg.clip_grad, dp=self.dp)
+        totals["value_grad_norm"] = totals.pop("grad_norm")
+        del totals["loss"]  # the same number as value_loss
         if all(math.isfinite(v) for v in totals.values()):  # a NaN/inf step is skipped, as the actor's
             self.optimizer.step()
             self.scheduler.step()

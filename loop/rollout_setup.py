@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 
+from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.rollout.data import DataSource, PromptDataset
 from redline.rollout.evaluation import EvalSet, evaluate
 from redline.rollout.functions import load_function
@@ -31,12 +32,17 @@ def seeded(generate_fn, base_seed: int):
 
 
 class LoopRollout:
+    """``dp``: with several data-parallel ranks, each rank's manager serves its shard of the prompts and
+    ``evaluate`` runs its shard of every eval set, then averages over the ranks (collective: call on all)."""
+
     def __init__(self, manager: RolloutManager, engine, tokenizer, eval_sets: list[EvalSet], reward,
-                 sft_data: DataSource | None = None, eval_generate_fn=generate_sample):
+                 sft_data: DataSource | None = None, eval_generate_fn=generate_sample,
+                 dp: DataParallel = SINGLE_PROCESS):
         self.manager, self.engine, self.tokenizer = manager, engine, tokenizer
         self.eval_sets, self.reward = eval_sets, reward
         self.eval_generate_fn = eval_generate_fn
         self.sft_data = sft_data or manager.data_source
+        self.dp = dp
 
     @property
     def has_eval(self) -> bool:
@@ -48,9 +54,11 @@ class LoopRollout:
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         metrics = {}
+        rank, world = self.dp.rank, self.dp.world
         for eval_set in self.eval_sets:
-            metrics.update(await evaluate(self.engine, self.tokenizer, eval_set, self.reward,
-                                          generate_fn=self.eval_generate_fn))
+            shard = await evaluate(self.engine, self.tokenizer, eval_set, self.reward,
+                                   generate_fn=self.eval_generate_fn, shard=(rank, world))
+            metrics.update(self.dp.weighted_mean(shard, len(range(rank, len(eval_set.dataset), world))))
         if len(self.eval_sets) == 1:  # the headline numbers without the set's name
             name = self.eval_sets[0].name
             metrics.update({k.replace(f"eval/{name}/", "eval/"): v for k, v in list(metrics.items())})
@@ -232,14 +240,16 @@ def model_context(hf_config) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 4096))
 
 
-def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs"):
-    """``(engine, LoopRollout)`` for the run."""
+def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataParallel = SINGLE_PROCESS):
+    """``(engine, LoopRollout)`` for the run; with ``dp.world`` ranks, this rank's engine and its share of the
+    prompts (``rollout_batch_size / world`` groups per rollout)."""
     d, r = config.data, config.rollout
     dataset_options = dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
                            apply_chat_template=d.apply_chat_template, max_prompt_len=d.rollout_max_prompt_len,
                            skip_bad_records=d.skip_bad_records)
+    shard = dict(rank=dp.rank, world=dp.world)
     data = DataSource(PromptDataset(d.prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
-                      shuffle=d.rollout_shuffle)
+                      shuffle=d.rollout_shuffle, **shard)
     reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url)
     engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
@@ -250,8 +260,10 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs"):
     dynamic_filter = (load_function(r.dynamic_sampling_filter_path, what="--dynamic-sampling-filter-path")
                       if r.dynamic_sampling_filter_path else None)
     manager = RolloutManager(engine, tokenizer, data, reward, params=params,
-                             rollout_batch_size=r.rollout_batch_size, n_samples_per_prompt=r.n_samples_per_prompt,
-                             over_sampling_batch_size=r.over_sampling_batch_size, dynamic_filter=dynamic_filter,
+                             rollout_batch_size=r.rollout_batch_size // dp.world,
+                             n_samples_per_prompt=r.n_samples_per_prompt,
+                             over_sampling_batch_size=(r.over_sampling_batch_size or r.rollout_batch_size) // dp.world,
+                             dynamic_filter=dynamic_filter,
                              partial_rollout=r.partial_rollout, generate_fn=seeded(generate_fn, config.train.seed))
     eval_sets = []
     if d.eval_prompt_data:
@@ -262,7 +274,7 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs"):
     sft_data = None
     if d.sft_prompt_data and d.sft_prompt_data != d.prompt_data:
         sft_data = DataSource(PromptDataset(d.sft_prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
-                              shuffle=True)
+                              shuffle=True, **shard)
     # every evaluation draws with the same seeds (its own, not the rollouts'): steps differ only by the weights
     eval_generate_fn = seeded(generate_fn, config.train.seed + 1)
-    return engine, LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn)
+    return engine, LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn, dp)

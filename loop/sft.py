@@ -15,14 +15,15 @@ def labelled_sample(prompt: Sample, tokenizer) -> Sample:
 
 
 def sft_step(state, tokenizer) -> dict[str, float]:
-    """One optimizer step of token-mean NLL on ``--global-batch-size`` labelled prompts of the SFT data."""
-    cfg = state.config
-    prompts = [group[0] for group in state.rollout.sft_data.get_groups(cfg.train.global_batch_size, 1)]
+    """One optimizer step of token-mean NLL on ``--global-batch-size`` labelled prompts of the SFT data (this
+    rank's share of them, with data parallelism)."""
+    cfg, dp = state.config, state.dp
+    prompts = [group[0] for group in state.rollout.sft_data.get_groups(cfg.train.global_batch_size // dp.world, 1)]
     samples = [labelled_sample(p, tokenizer) for p in prompts]
     lengths = [len(s.tokens) for s in samples]
     batches = [pack(samples, ids, {}) for ids in split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)]
-    units = [aggregation_weight(b, "token-mean") for b in batches]
-    return state.worker.step(batches, [u / sum(units) for u in units], state.worker.sft_loss)
+    weights = dp.loss_weights([aggregation_weight(b, "token-mean") for b in batches])
+    return state.worker.step(batches, weights, state.worker.sft_loss)
 
 
 def sft_warmup(state, tokenizer) -> dict[str, float]:

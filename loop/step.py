@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from redline.kernels.reference import kl_estimate
 from redline.loop.advantages import AdaptiveKLController, compute_advantages
 from redline.loop.batching import aggregation_weight, pack, split_by_token_budget
+from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.rollout.types import Sample
 
 
@@ -27,6 +27,7 @@ class RunState:
     kl_controller: AdaptiveKLController | None
     loop: asyncio.AbstractEventLoop
     critic: object | None = None  # CriticWorker, for advantage_estimator "ppo"
+    dp: DataParallel = SINGLE_PROCESS  # the data-parallel ranks (each one runs this same step on its shard)
 
 
 def clock() -> float:
@@ -54,7 +55,7 @@ def per_sample_logprobs(state: RunState, samples: list[Sample], *, reference: bo
 
 
 def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
-    cfg, algo = state.config, state.config.algo
+    cfg, algo, dp = state.config, state.config.algo, state.dp
     step_start = clock()
 
     # 1. rollout: generate n samples per prompt, score them, filter groups
@@ -83,7 +84,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     advantages, returns = compute_advantages(
         algo.advantage_estimator, rewards, torch.tensor([s.group_index for s in samples]), cu_resp, loss_masks,
         kl=kl, kl_coef=kl_coef, normalize_by_std=algo.normalize_advantages_by_std, gamma=algo.gamma,
-        lambd=algo.lambd, values=torch.cat(old_values) if old_values else None)
+        lambd=algo.lambd, values=torch.cat(old_values) if old_values else None, sum_over_ranks=dp.sum_tensor)
     split = cu_resp.diff().tolist()
     per_token = {"advantages": list(advantages.split(split)), "rollout_logp": rollout_logp}
     if state.critic:
@@ -93,24 +94,23 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     if ref_logp is not None and state.loss_cfg.kl_coef > 0:
         per_token["ref_logp"] = ref_logp
 
-    # 4. optimizer steps over global batches of packed micro-batches
+    # 4. optimizer steps over global batches of packed micro-batches (each rank holds 1/world of every batch)
     t0 = clock()
     train_metrics: list[dict[str, float]] = []
-    gbs = cfg.train.global_batch_size
+    gbs = cfg.train.global_batch_size // dp.world
     trained_tokens = 0
     for step in range(cfg.train.num_steps_per_rollout):
         ids = list(range(step * gbs, (step + 1) * gbs))
         lengths = [len(samples[i].tokens) for i in ids]
         batches = [pack(samples, [ids[j] for j in group], per_token)
                    for group in split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)]
-        units = [aggregation_weight(b, state.loss_cfg.agg) for b in batches]
-        weights = [u / max(sum(units), 1) for u in units]
+        weights = dp.loss_weights([aggregation_weight(b, state.loss_cfg.agg) for b in batches])
         train_metrics.append(state.worker.step(
             batches, weights,
             lambda b: state.worker.policy_loss(b, state.loss_cfg, reuse_old_logp=reuse_old)))
         if state.critic:
-            tokens = [aggregation_weight(b, "token-mean") for b in batches]
-            train_metrics[-1].update(state.critic.step(batches, [n / max(sum(tokens), 1) for n in tokens]))
+            tokens = dp.loss_weights([aggregation_weight(b, "token-mean") for b in batches])
+            train_metrics[-1].update(state.critic.step(batches, tokens))
         trained_tokens += sum(lengths)
         if state.worker.bad_steps > cfg.train.max_bad_steps:
             raise FloatingPointError(f"{state.worker.bad_steps} steps had a NaN/inf loss or gradient "
@@ -123,10 +123,12 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     sync_time = clock() - t0
 
     if state.kl_controller and kl is not None:
-        state.kl_controller.update(float(kl[loss_masks].mean()), len(samples))
+        kl_sum, kl_tokens, n_samples = dp.sum_tensor(
+            torch.tensor([kl[loss_masks].sum(), loss_masks.sum(), len(samples)], dtype=torch.float64)).tolist()
+        state.kl_controller.update(kl_sum / max(kl_tokens, 1), int(n_samples))
     step_time = clock() - step_start
     trained = [m for m in train_metrics if not m["skipped"]] or train_metrics
-    mean = lambda key: sum(m.get(key, 0.0) for m in trained) / len(trained)  # noqa: E731
+    mean = lambda key: sum(m.get(key, 0.0) for m in trained) / len(trained)
     metrics.update({
         "train/loss": mean("loss"), "train/pg_loss": mean("pg_loss"), "train/kl": mean("kl"),
         "train/entropy": mean("entropy"), "train/clipfrac": mean("clipfrac"), "train/approx_kl": mean("approx_kl"),
@@ -150,4 +152,4 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     if state.critic:
         metrics.update({"train/value_loss": mean("value_loss"), "train/value_clipfrac": mean("value_clipfrac"),
                         "train/value_grad_norm": mean("value_grad_norm")})
-    return metrics
+    return dp.reduce_metrics(metrics)

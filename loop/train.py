@@ -6,17 +6,17 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
-from rich.console import Console
-
 from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.loop import checkpoint
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
 from redline.loop.critic import CriticWorker
+from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel, init_data_parallel
 from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.step import RunState, rl_step
 from redline.loop.validate import loss_config, validate
 from redline.loop.worker import TrainerWorker
+from rich.console import Console
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -44,16 +44,21 @@ def layer_backend_for(config, name: str):
     return layer_backend(name, **options.get(name, {}))
 
 
-def build(config, console: Console, *, log_dir: Path = Path("logs")):
-    """``(RunState, tokenizer)`` for a validated config; engine server logs (SGLang) go to ``log_dir``."""
-    from transformers import AutoTokenizer
-
-    from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
+def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataParallel = SINGLE_PROCESS):
+    """``(RunState, tokenizer)`` for a validated config; engine server logs (SGLang) go to ``log_dir``. Under
+    data parallelism each rank builds its own trainer (on ``dp.device``) and colocated engine."""
+    from redline.loop.rollout_setup import (
+        build_rollout,
+        engine_devices,
+        resolve_engine,
+        trainer_device,
+    )
     from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
+    from transformers import AutoTokenizer
 
-    device = trainer_device(config)
+    device = dp.device if dp.world > 1 else trainer_device(config)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     dtype = DTYPES[config.model.dtype]
@@ -61,23 +66,23 @@ def build(config, console: Console, *, log_dir: Path = Path("logs")):
     console.print(f"model {config.model.hf_checkpoint} · backend {backend} · {dtype} · {device}")
     tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
     model = from_pretrained(config.model.hf_checkpoint, backend=layer_backend_for(config, backend), dtype=dtype,
-                            device=device)
+                            device=device, parallel=dp.state)
     apply_recompute(model, config.model.recompute)
     loss_cfg = loss_config(config)
     total_steps = config.rollout.num_rollout * config.train.num_steps_per_rollout
     worker = TrainerWorker(model, config.train, total_steps=total_steps,
                            temperature=config.rollout.rollout_temperature,
-                           keep_reference=loss_cfg.kl_coef > 0 or config.algo.kl_coef > 0)
+                           keep_reference=loss_cfg.kl_coef > 0 or config.algo.kl_coef > 0, dp=dp)
     kl_controller = (AdaptiveKLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
                      if config.algo.kl_target is not None else None)
     critic = None
     if config.algo.advantage_estimator == "ppo":
         decoder = from_pretrained(config.model.hf_checkpoint, backend=layer_backend_for(config, backend), dtype=dtype,
-                                  device=device)
+                                  device=device, parallel=dp.state)
         apply_recompute(decoder, config.model.recompute)
         critic = CriticWorker(decoder,
                               config.train, total_steps=total_steps, value_clip=config.algo.value_clip,
-                              lr=config.algo.critic_lr)
+                              lr=config.algo.critic_lr, dp=dp)
     # the engine last: a failure while building the trainer leaves no launched server behind
     loop = asyncio.new_event_loop()
     engine_name = resolve_engine(config)
@@ -85,8 +90,10 @@ def build(config, console: Console, *, log_dir: Path = Path("logs")):
         engine_name += f" (own process on {', '.join(map(str, engine_devices(config)))}; trainer on {device})"
     elif engine_name == "embedded" and config.rollout.embedded_engine_process:
         engine_name += " (own process)"
+    if dp.world > 1:
+        engine_name += f" (one per data-parallel rank, {dp.world} ranks)"
     console.print(f"rollout engine: {engine_name}")
-    engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
+    engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if config.parallel.colocate:
         weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
                                  offload=config.sync.offload_rollout)
@@ -101,7 +108,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs")):
             raise
     console.print(weight_sync.describe())
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, weight_sync=weight_sync,
-                    loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic), tokenizer
+                    loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic, dp=dp), tokenizer
 
 
 def shutdown(state: RunState) -> None:
@@ -114,69 +121,96 @@ def shutdown(state: RunState) -> None:
         state.loop.run_until_complete(state.engine.shutdown())
 
 
-def trainer_state(state: RunState) -> dict:
-    return {"worker": state.worker.state_dict(), "rollout": state.rollout.state_dict(),
-            "kl_controller": state.kl_controller.state_dict() if state.kl_controller else None,
-            "critic": state.critic.state_dict() if state.critic else None}
+def trainer_state(state: RunState) -> tuple[dict, dict]:
+    """``(shared, this rank's)`` checkpoint state: optimizer, scheduler, controllers are the same on every rank;
+    the data position is each rank's own."""
+    shared = {"worker": state.worker.state_dict(),
+              "kl_controller": state.kl_controller.state_dict() if state.kl_controller else None,
+              "critic": state.critic.state_dict() if state.critic else None}
+    return shared, {"rollout": state.rollout.state_dict()}
 
 
 def restore(state: RunState, folder: Path) -> int:
     """Load a checkpoint's weights and state into the run; returns the next rollout id."""
     from redline.trainer.models.load import load_hf_weights
 
-    saved = checkpoint.load_state(folder)
+    saved, mine = checkpoint.load_state(folder, state.dp)
     load_hf_weights(state.worker.model, folder / "model")
     state.worker.load_state_dict(saved["worker"])
-    state.rollout.load_state_dict(saved["rollout"])
+    state.rollout.load_state_dict(mine["rollout"])
     if state.kl_controller and saved["kl_controller"]:
         state.kl_controller.load_state_dict(saved["kl_controller"])
     if state.critic and saved.get("critic"):
         state.critic.load_state_dict(saved["critic"])
-    checkpoint.set_rng_state(saved["rng"])
+    checkpoint.set_rng_state(mine["rng"])
     state.loop.run_until_complete(state.weight_sync.push(str(saved["rollout_id"] + 1)))
     return saved["rollout_id"] + 1
 
 
 def run(config, config_path=None) -> int:
-    console = Console()
-    out = output_dir_for(config)
-    out.mkdir(parents=True, exist_ok=True)
+    """One process, or every rank of a ``torchrun`` launch (data parallelism): rank 0 picks the output folder,
+    builds the built-in data/model and writes every file; each rank trains and rolls out its shard."""
+    dp = init_data_parallel(config.parallel.distributed_timeout_minutes)
+    console = Console(quiet=not dp.is_main)
     try:
-        config = apply_overrides(config, materialize(config, out / "builtin"), source="built-in")
-        validate(config)
+        return _run(config, config_path, dp, console)
+    finally:
+        dp.close()
+
+
+def _run(config, config_path, dp: DataParallel, console: Console) -> int:
+    try:
+        out = Path(dp.from_main(lambda: str(output_dir_for(config))))
+        config = apply_overrides(config, dp.from_main(lambda: _materialize(config, out)), source="built-in")
+        validate(config, world_size=dp.world)
     except (ConfigError, ValueError) as exc:
         console.print(f"[red]configuration error:[/red] {exc}")
         return 2
     torch.manual_seed(config.train.seed)
-    _write_config(config, out)
-    from redline.loop.metrics import MetricsLog
+    metrics = None
+    if dp.is_main:
+        _write_config(config, out)
+        from redline.loop.metrics import MetricsLog
 
-    metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
-                         config=to_mapping(config))
-    state, tokenizer = build(config, console, log_dir=out / "logs")
+        metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
+                             config=to_mapping(config))
+    log_dir = out / "logs" / (f"rank{dp.rank}" if dp.world > 1 else "")
+    state, tokenizer = build(config, console, log_dir=log_dir, dp=dp)
     try:
         report = _train(state, tokenizer, metrics, out, console, config_path)
     finally:
-        metrics.close()
+        if metrics:
+            metrics.close()
         shutdown(state)
     console.print(f"report: {report}")
     return 0
 
 
-def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, config_path) -> Path:
-    """Warm-up or resume, the rollout loop, eval, checkpoints; returns the report's path."""
-    config = state.config
+def _materialize(config, out: Path) -> dict[str, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    return materialize(config, out / "builtin")
+
+
+def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, config_path) -> Path | None:
+    """Warm-up or resume, the rollout loop, eval, checkpoints; returns the report's path (None off rank 0, which
+    gets no ``metrics``: it alone writes files)."""
+    config, dp = state.config, state.dp
+    log = metrics.log if metrics else lambda step, values: None
     start = 0
     if config.checkpoint.load:
         folder = checkpoint.resolve(config.checkpoint.load)
         start = restore(state, folder)
-        metrics.truncate_after(start - 1)
+        if metrics:
+            metrics.truncate_after(start - 1)
         console.print(f"resumed from {folder} at rollout {start}")
-    elif config.train.sft_steps:
-        warm = sft_warmup(state, tokenizer)
-        metrics.log(0, warm)
-        console.print(f"SFT warm-up: {config.train.sft_steps} steps, loss {warm['sft/loss']:.3f}, "
-                      f"eval reward {warm.get('eval/reward_mean', float('nan')):.3f}")
+    else:
+        if metrics:
+            metrics.truncate_after(-1)  # a fresh run into a used folder starts a fresh record
+        if config.train.sft_steps:
+            warm = sft_warmup(state, tokenizer)
+            log(0, warm)
+            console.print(f"SFT warm-up: {config.train.sft_steps} steps, loss {warm['sft/loss']:.3f}, "
+                          f"eval reward {warm.get('eval/reward_mean', float('nan')):.3f}")
     began = time.perf_counter()
     sft_only = config.algo.loss_type == "sft"
     for rollout_id in range(start, config.rollout.num_rollout):
@@ -184,17 +218,20 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         step = rollout_id + 1
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
             step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
-        metrics.log(step, step_metrics)
+        log(step, step_metrics)
         console.print(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
         if config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0:
-            checkpoint.save(out / "checkpoints", rollout_id, state.worker.model,
-                            Path(config.model.hf_checkpoint), trainer_state(state))
-    if config.checkpoint.save_hf:
+            checkpoint.save(out / "checkpoints", rollout_id, state.worker.model, Path(config.model.hf_checkpoint),
+                            *trainer_state(state), dp=dp)
+    if config.checkpoint.save_hf and dp.is_main:
         state.worker.model.save_pretrained(config.checkpoint.save_hf)
         checkpoint.copy_tokenizer(Path(config.model.hf_checkpoint), Path(config.checkpoint.save_hf))
+    dp.barrier()
+    if not metrics:
+        return None
     return metrics.report(f"redline run {config.checkpoint.run_name}", [
         f"config: {config_path}", f"output: {out}", f"RL steps: {config.rollout.num_rollout - start} in "
-        f"{time.perf_counter() - began:.1f} s"])
+        f"{time.perf_counter() - began:.1f} s" + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else "")])
 
 
 def _progress_line(step: int, total: int, m: dict, sft_only: bool) -> str:

@@ -126,9 +126,33 @@ def check_engine(config) -> None:
             raise ConfigError(f"--sglang-args {arg}: set the memory fraction with --sglang-mem-fraction-static")
 
 
-def check_placement(config) -> None:
-    """One process for the trainer (TP = PP = 1); engines colocated with it, or with ``--no-colocate`` in
-    their own processes on other GPUs (the CPU on a CPU machine), weights pushed by broadcast."""
+def check_data_parallel(config, world_size: int) -> None:
+    """``torchrun`` with ``world_size`` processes: colocated data parallelism, batches that split evenly, and
+    (on GPUs) one GPU per local rank."""
+    import os
+
+    import torch
+
+    if not config.parallel.colocate:
+        raise ConfigError(f"--no-colocate runs in one launcher process (the engines are its children), but this is "
+                          f"rank {os.environ.get('RANK', '?')} of {world_size} under torchrun: drop --no-colocate "
+                          "(each rank then trains with its own colocated engine), or run without torchrun")
+    r, t = config.rollout, config.train
+    for flag, value in (("--rollout-batch-size", r.rollout_batch_size), ("--global-batch-size", t.global_batch_size),
+                        ("--over-sampling-batch-size", r.over_sampling_batch_size or r.rollout_batch_size)):
+        if value % world_size:
+            raise ConfigError(f"{flag} {value} does not split over {world_size} data-parallel ranks: make it a "
+                              f"multiple of {world_size}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if torch.cuda.is_available() and torch.cuda.device_count() < local:
+        raise ConfigError(f"torchrun started {local} processes on this machine, one GPU each, but "
+                          f"{torch.cuda.device_count()} GPU(s) are visible (CUDA_VISIBLE_DEVICES)")
+
+
+def check_placement(config, world_size: int = 1) -> None:
+    """The trainer without TP/PP: one process, or ``world_size`` data-parallel ranks under ``torchrun``, each
+    with its colocated engine; or (one process) with ``--no-colocate`` engines in their own processes on other
+    GPUs (the CPU on a CPU machine), weights pushed by broadcast."""
     import torch
 
     from redline.loop.rollout_setup import resolve_engine
@@ -138,6 +162,9 @@ def check_placement(config) -> None:
         raise ConfigError("--tensor-model-parallel-size / --pipeline-model-parallel-size / --sequence-parallel: "
                           "`redline train` runs in one process so far; TP/SP/PP are available through "
                           "redline.trainer.parallel under torchrun")
+    if world_size > 1:
+        check_data_parallel(config, world_size)
+        return
     if p.colocate:
         return
     if resolve_engine(config) == "sglang":
@@ -161,8 +188,9 @@ def check_placement(config) -> None:
                               f"--rollout-num-gpus or drop --no-colocate")
 
 
-def validate(config) -> None:
-    """Every check that can fail before a model loads; raises ConfigError naming the flag or file."""
+def validate(config, world_size: int = 1) -> None:
+    """Every check that can fail before a model loads; raises ConfigError naming the flag or file.
+    ``world_size``: the data-parallel ranks (``torchrun`` processes) of the run."""
     check_batch_arithmetic(config)
     check_model_dir(config.model.hf_checkpoint)
     needs_label = config.rollout.rm_type is not None or config.train.sft_steps > 0 or config.algo.loss_type == "sft"
@@ -179,7 +207,7 @@ def validate(config) -> None:
         raise ConfigError("--kl-target adapts --kl-coef, which must then be > 0")
     check_backends(config)
     check_engine(config)
-    check_placement(config)
+    check_placement(config, world_size)
     if config.sync.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
     try:

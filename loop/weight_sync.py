@@ -114,11 +114,18 @@ class BroadcastWeightSync:
         """Leave the group on every side (before the engines shut down)."""
         if self.group is None:
             return
+        # every side at once: NCCL's communicator teardown may wait for the peers, so the trainer must not wait
+        # for the engines to finish leaving before it starts to leave itself
+        await self._bounded(*(e.leave_weight_group() for e in self.engines),
+                            asyncio.to_thread(self._destroy_group),
+                            what="leaving the weight-update group")
+        self.group = self.sender = None
+
+    def _destroy_group(self) -> None:
         import torch.distributed as dist
 
-        await self._bounded(*(e.leave_weight_group() for e in self.engines), what="leaving the weight-update group")
-        dist.destroy_process_group(self.group)
-        self.group = self.sender = None
+        with self._on_device():
+            dist.destroy_process_group(self.group)
 
     def describe(self) -> str:
         sizes = [b.nbytes for b in self.plan.buckets]

@@ -7,9 +7,15 @@ A plain class with narrow methods, so a Ray actor can wrap it unchanged. All LM-
 import math
 
 import torch
-
-from redline.kernels import LossConfig, fused_linear_logprobs, fused_linear_policy_loss, policy_loss
+from redline.kernels import (
+    LossConfig,
+    fused_linear_logprobs,
+    fused_linear_policy_loss,
+    policy_loss,
+)
 from redline.loop.batching import MicroBatch
+from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
+from redline.loop.gradients import accumulate_and_clip
 from redline.loop.reference import ReferencePolicy
 from redline.loop.schedule import build_optimizer, build_scheduler
 from redline.trainer.padding import token_multiple
@@ -29,10 +35,13 @@ def _forward_hidden(model, batch: MicroBatch) -> torch.Tensor:
 
 
 class TrainerWorker:
-    """``temperature``: the rollout temperature the log-probs are taken at (logits / temperature)."""
+    """``temperature``: the rollout temperature the log-probs are taken at (logits / temperature); ``dp``: the
+    data-parallel ranks whose gradients each step averages (one process by default)."""
 
-    def __init__(self, model, train_cfg, *, total_steps: int, temperature: float, keep_reference: bool):
+    def __init__(self, model, train_cfg, *, total_steps: int, temperature: float, keep_reference: bool,
+                 dp: DataParallel = SINGLE_PROCESS):
         self.model = model
+        self.dp = dp
         self.cfg = train_cfg
         self.temperature = temperature
         self.optimizer = build_optimizer(model.parameters(), train_cfg)
@@ -102,16 +111,9 @@ class TrainerWorker:
         ``skipped`` (1.0 when the step was skipped)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, torch.Tensor] = {}
-        for batch, weight in zip(batches, weights):
-            loss, metrics = loss_fn(batch.to(self.device))
-            (loss * weight).backward()
-            for key, value in {"loss": loss.detach(), **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + value.detach().float() * weight
-        clip = self.cfg.clip_grad if self.cfg.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        result = {k: float(v) for k, v in totals.items()}
-        result.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"])
+        result = accumulate_and_clip(self.model, batches, weights, loss_fn, device=self.device,
+                                     clip=self.cfg.clip_grad, dp=self.dp)
+        result["lr"] = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1

@@ -130,34 +130,40 @@ class PromptDataset:
 
 class DataSource:
     """Serves prompt groups: returned (unfinished) groups first, then the dataset in a per-epoch order drawn
-    from ``seed + epoch``. The position survives ``state_dict()`` / ``load_state_dict()``."""
+    from ``seed + epoch``. The position survives ``state_dict()`` / ``load_state_dict()``.
 
-    def __init__(self, dataset: PromptDataset, *, seed: int = 1234, shuffle: bool = True):
+    Sharded across ``world`` data-parallel ranks: the epochs form one global stream and rank ``r`` takes its
+    positions ``r, r + world, r + 2·world, ...``; group ``j`` of rank ``r`` gets the global group index
+    ``j·world + r``. The ranks' groups together are then the groups one unsharded source would serve (same
+    prompts, same indices, hence the same per-sample seeds), and no two ranks share a prompt."""
+
+    def __init__(self, dataset: PromptDataset, *, seed: int = 1234, shuffle: bool = True, rank: int = 0,
+                 world: int = 1):
         if len(dataset) == 0:
             raise ValueError(f"prompt dataset {dataset.path} has no usable prompts (stats: {dataset.stats})")
+        if not 0 <= rank < world:
+            raise ValueError(f"DataSource: need 0 <= rank < world, got rank={rank} world={world}")
         self.dataset = dataset
         self.seed = seed
         self.shuffle = shuffle
-        self.epoch = 0
-        self.offset = 0  # prompts consumed in the current epoch
-        self.next_group_index = 0
+        self.rank, self.world = rank, world
+        self.position = 0  # prompts of the global stream consumed by all ranks together (this rank's next: + rank)
+        self.next_group_index = rank
         self.buffer: list[list[Sample]] = []
-        self._order = self._epoch_order()
+        self._orders: dict[int, list[int]] = {}
 
-    def _epoch_order(self) -> list[int]:
-        order = list(range(len(self.dataset)))
-        if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(order)
-        return order
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._orders = {epoch: order}  # epochs are visited in order: one cached order is enough
+        return self._orders[epoch]
 
     def _next_prompt(self) -> Sample:
-        if self.offset == len(self._order):
-            self.epoch += 1
-            self.offset = 0
-            self._order = self._epoch_order()
-        sample = self.dataset.samples[self._order[self.offset]]
-        self.offset += 1
-        return sample
+        epoch, offset = divmod(self.position + self.rank, len(self.dataset))
+        self.position += self.world
+        return self.dataset.samples[self._epoch_order(epoch)[offset]]
 
     def get_groups(self, num_groups: int, n_samples_per_prompt: int) -> list[list[Sample]]:
         """``num_groups`` groups of ``n_samples_per_prompt`` fresh copies of one prompt each."""
@@ -174,7 +180,7 @@ class DataSource:
                 sample.group_index = self.next_group_index
                 sample.index = self.next_group_index * n_samples_per_prompt + i
                 group.append(sample)
-            self.next_group_index += 1
+            self.next_group_index += self.world
             groups.append(group)
         return groups
 
@@ -183,15 +189,14 @@ class DataSource:
         self.buffer.extend(groups)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "offset": self.offset, "next_group_index": self.next_group_index,
-                "seed": self.seed, "shuffle": self.shuffle,
+        return {"position": self.position, "next_group_index": self.next_group_index, "seed": self.seed,
+                "shuffle": self.shuffle, "rank": self.rank, "world": self.world,
                 "buffer": [[dataclasses.asdict(s) for s in g] for g in self.buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["seed"], state["shuffle"]) != (self.seed, self.shuffle):
-            raise ValueError(f"data state was saved with seed={state['seed']} shuffle={state['shuffle']}, "
-                             f"this source has seed={self.seed} shuffle={self.shuffle}")
-        self.epoch, self.offset = state["epoch"], state["offset"]
-        self.next_group_index = state["next_group_index"]
-        self._order = self._epoch_order()
+        saved = tuple(state[k] for k in ("seed", "shuffle", "rank", "world"))
+        if saved != (self.seed, self.shuffle, self.rank, self.world):
+            raise ValueError(f"data state was saved with seed, shuffle, rank, world = {saved}; this source has "
+                             f"{(self.seed, self.shuffle, self.rank, self.world)}")
+        self.position, self.next_group_index = state["position"], state["next_group_index"]
         self.buffer = [[Sample(**{**s, "status": Status(s["status"])}) for s in g] for g in state["buffer"]]

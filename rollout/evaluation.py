@@ -32,11 +32,14 @@ class EvalSet:
     reward: Reward | None = None  # None: the training reward
 
 
-async def evaluate(engine, tokenizer, eval_set: EvalSet, reward: Reward, generate_fn=generate_sample
-                   ) -> dict[str, float]:
-    """Metrics ``eval/<name>/reward_mean`` and ``eval/<name>/pass@k`` over every prompt of the set."""
+async def evaluate(engine, tokenizer, eval_set: EvalSet, reward: Reward, generate_fn=generate_sample,
+                   shard: tuple[int, int] = (0, 1)) -> dict[str, float]:
+    """Metrics ``eval/<name>/reward_mean`` and ``eval/<name>/pass@k`` over every prompt of the set, or with
+    ``shard=(rank, world)`` over prompts ``rank, rank + world, ...`` only (0 for an empty shard): weighted by
+    their prompt counts, the shards' metrics average to the whole set's."""
     reward = eval_set.reward or reward
     n = eval_set.n_samples_per_prompt
+    rank, world = shard
 
     async def run_prompt(number: int, prompt: Sample) -> list[float]:
         # index: a stable id per (prompt, draw), so a seeding generate_fn draws the same way at every evaluation
@@ -45,12 +48,13 @@ async def evaluate(engine, tokenizer, eval_set: EvalSet, reward: Reward, generat
         group = await asyncio.gather(*(generate_fn(engine, tokenizer, s, eval_set.params) for s in group))
         return await reward(list(group))
 
-    rewards = await asyncio.gather(*(run_prompt(i, p) for i, p in enumerate(eval_set.dataset.samples)))
+    prompts = list(enumerate(eval_set.dataset.samples))[rank::world]
+    rewards = await asyncio.gather(*(run_prompt(i, p) for i, p in prompts))
     flat = [r for group in rewards for r in group]
-    metrics = {f"eval/{eval_set.name}/reward_mean": sum(flat) / len(flat)}
+    metrics = {f"eval/{eval_set.name}/reward_mean": sum(flat) / max(len(flat), 1)}
     k = 1
     while k <= n:
         scores = [pass_at_k(n, sum(r > 0 for r in group), k) for group in rewards]
-        metrics[f"eval/{eval_set.name}/pass@{k}"] = sum(scores) / len(scores)
+        metrics[f"eval/{eval_set.name}/pass@{k}"] = sum(scores) / max(len(scores), 1)
         k *= 2
     return metrics

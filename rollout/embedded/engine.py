@@ -102,7 +102,7 @@ class EmbeddedEngine:
 
     async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
         async for bucket in iterate_buckets(buckets):
-            await asyncio.to_thread(self.load_weights, bucket)
+            await asyncio.to_thread(self._on_device, self.load_weights, bucket)
         self.weight_version = str(version)
 
     def load_weights(self, named_tensors) -> None:
@@ -114,11 +114,11 @@ class EmbeddedEngine:
 
     async def release_memory(self, tags) -> None:
         tags = check_tags(tags)
-        await asyncio.to_thread(self._release, tags)
+        await asyncio.to_thread(self._on_device, self._release, tags)
 
     async def resume_memory(self, tags) -> None:
         tags = check_tags(tags)
-        await asyncio.to_thread(self._resume, tags)
+        await asyncio.to_thread(self._on_device, self._resume, tags)
 
     async def flush_cache(self) -> None:
         """Nothing to do: the engine keeps no prefix cache across requests."""
@@ -176,7 +176,20 @@ class EmbeddedEngine:
 
     # ----- scheduler thread -------------------------------------------------------------------------------
 
+    def _on_device(self, work, *args):
+        """``work(*args)`` with this engine's GPU as the thread's current device. A new thread starts on cuda:0
+        whatever its parent chose, and Triton launches, stream and CUDA-graph capture follow the current device:
+        an engine on cuda:1 (a data-parallel rank's) would otherwise capture an empty graph and launch its
+        kernels on the wrong GPU."""
+        if self.device.type != "cuda":
+            return work(*args)
+        with torch.cuda.device(self.device):
+            return work(*args)
+
     def _serve(self) -> None:
+        self._on_device(self._serve_loop)
+
+    def _serve_loop(self) -> None:
         while True:
             with self._wake:
                 while not self._stopping and (self._paused or not self._pending) and not any(self._slots):

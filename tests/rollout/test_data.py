@@ -106,6 +106,25 @@ def test_epochs_visit_every_prompt_in_seeded_orders(dataset):
     assert labels(DataSource(dataset, seed=7).get_groups(5, 1)) == epoch0
 
 
+def test_sharded_sources_together_serve_what_one_source_serves(dataset):
+    """Two data-parallel shards over 5 prompts, 4 groups each: across the epoch boundary their groups are the
+    unsharded source's 8 groups (same prompts, same global indices), and no position is served twice."""
+    whole = DataSource(dataset, seed=7).get_groups(8, 2)
+    shards = [DataSource(dataset, seed=7, rank=r, world=2).get_groups(4, 2) for r in range(2)]
+    merged = sorted((g for shard in shards for g in shard), key=lambda g: g[0].group_index)
+    assert labels(merged) == labels(whole)
+    assert [[s.index for s in g] for g in merged] == [[s.index for s in g] for g in whole]
+    assert [g[0].group_index for g in shards[1]] == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match="rank=2 world=2"):
+        DataSource(dataset, rank=2, world=2)
+
+
+def test_sharded_state_refuses_another_rank(dataset):
+    state = DataSource(dataset, rank=1, world=2).state_dict()
+    with pytest.raises(ValueError, match="rank, world"):
+        DataSource(dataset, rank=0, world=2).load_state_dict(state)
+
+
 def test_state_dict_resumes_the_same_sequence(dataset):
     source = DataSource(dataset, seed=3)
     source.get_groups(3, 1)

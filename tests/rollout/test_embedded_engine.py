@@ -245,3 +245,18 @@ def test_pause_aborts_queued_requests_and_rejects_new_ones_until_resume(model_di
     assert [len(r.output_ids) > 0 for r in aborted] == [True, True, False]  # the queued one never ran
     assert while_paused.finish_reason == FinishReason.ABORT and while_paused.output_ids == []
     assert len(after.output_ids) == 3
+
+
+@pytest.mark.multigpu
+def test_engine_on_the_second_gpu_generates_what_one_on_the_first_does(model_dir, tokenizer):
+    """A data-parallel rank's engine lives on cuda:1 while threads start on cuda:0: its CUDA-graph decode and
+    Triton kernels must still run on cuda:1 (greedy output equal to the cuda:0 engine's)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    outputs = []
+    for device in ("cuda:0", "cuda:1"):
+        engine = make_engine(model_dir, device=device)
+        outputs.append([r.output_ids for r in run(engine, lambda e: e.generate(requests(tokenizer, params)))])
+        assert engine.use_cuda_graph and engine.device == torch.device(device)
+    assert outputs[1] == outputs[0]

@@ -2,9 +2,9 @@
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from redline.trainer.parallel.config import ParallelState
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def finalize_grads(model: nn.Module, state: ParallelState) -> None:
@@ -16,8 +16,7 @@ def finalize_grads(model: nn.Module, state: ParallelState) -> None:
             if getattr(p, "tp_partial_grad", False):
                 dist.all_reduce(p.grad, group=state.tp_group)
     if state.config.dp > 1:
-        for p in params:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.dp_group)
+        average_over_dp(params, state)
     if state.pp > 1 and model.spec.tie_word_embeddings:
         # The first stage holds the embedding, the last its LM-head copy; middle stages add zeros so that the
         # collective is the same call on every stage.
@@ -29,6 +28,20 @@ def finalize_grads(model: nn.Module, state: ParallelState) -> None:
             zeros = torch.zeros(model.spec.vocab_size // state.tp, model.spec.hidden_size, dtype=reference.dtype,
                                 device=reference.device)
             dist.all_reduce(zeros, group=state.pp_group)
+
+
+def average_over_dp(params: list[nn.Parameter], state: ParallelState) -> None:
+    """Average the gradients over the DP group: one all-reduce per dtype on a flat copy (SUM then divide, which
+    gloo supports too), instead of one collective per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=state.dp_group)
+        flat.div_(state.config.dp)
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
 
 
 def grad_norm(model: nn.Module, state: ParallelState) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""Data parallelism for ``redline train`` under ``torchrun``: every rank a trainer with its own colocated engine.
+
+Each rank generates its shard of every rollout batch (the prompt stream is split by ``DataSource`` rank), scores
+it and computes advantages on it (groups never straddle ranks), and trains on it. Loss weights are normalised
+by the whole batch's total (``loss_weights``) and gradients are averaged over the ranks before clipping, so each
+optimizer step is the one a single process would take on the whole batch, and every rank holds the same weights,
+which it then pushes into its own engine. Metrics are reduced over the ranks; rank 0 writes the files.
+"""
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+COUNT_METRICS = ("rollout/dropped_groups", "rollout/discarded_groups", "rollout/returned_groups")
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among ``world`` data-parallel ranks; ``state`` is the trainer's
+    ``redline.trainer.parallel.ParallelState`` (None in a single process)."""
+
+    rank: int = 0
+    world: int = 1
+    state: object | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, value: float) -> float:
+        """``value`` summed over the ranks."""
+        if self.world == 1:
+            return float(value)
+        total = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return float(total)
+
+    def sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (any device) summed element-wise over the ranks, returned on the CPU."""
+        if self.world == 1:
+            return values.cpu()
+        values = values.to(self.device, copy=True)
+        dist.all_reduce(values)
+        return values.cpu()
+
+    def loss_weights(self, units: list[float]) -> list[float]:
+        """Per-micro-batch loss weights from this rank's aggregation units (tokens, sequences): each unit over the
+        total on all ranks, times ``world`` (the gradient average over ranks divides by it again)."""
+        total = max(self.sum(sum(units)), 1)
+        return [u * self.world / total for u in units]
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """One record for the step: phase times (``perf/*_time``) take the slowest rank, group counts the sum,
+        everything else the mean. Every rank must pass the same keys."""
+        if self.world == 1:
+            return dict(metrics)
+        keys = sorted(metrics)
+        is_time = [k.startswith("perf/") and k.endswith("_time") for k in keys]
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.device)
+        slowest = values.clone()
+        dist.all_reduce(values)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out = {}
+        for key, total, worst, time in zip(keys, values.tolist(), slowest.tolist(), is_time):
+            out[key] = worst if time else total if key in COUNT_METRICS else total / self.world
+        return out
+
+    def weighted_mean(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
+        """``Σ_r weight_r · metrics_r / Σ_r weight_r``: means over shards of unequal size (eval prompts)."""
+        if self.world == 1:
+            return dict(metrics)
+        keys = sorted(metrics)
+        values = torch.tensor([float(metrics[k]) * weight for k in keys] + [float(weight)], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(values)
+        return {k: v / values[-1].item() for k, v in zip(keys, values[:-1].tolist())}
+
+    def from_main(self, make):
+        """``make()`` run on rank 0 only, its result (picklable) handed to every rank; a ``ValueError`` it raises
+        (``ConfigError`` included) is raised on every rank, so no rank waits for a result that never comes."""
+        if self.world == 1:
+            return make()
+        box, error = [None, None], None
+        if self.is_main:
+            try:
+                box[0] = make()
+            except ValueError as exc:
+                error, box[1] = exc, f"{type(exc).__name__}: {exc}"
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        if error is not None:
+            raise error
+        if box[1] is not None:
+            raise ValueError(f"on rank 0: {box[1]}")
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+SINGLE_PROCESS = DataParallel()
+
+
+def init_data_parallel(timeout_minutes: float) -> DataParallel:
+    """From ``torchrun``'s environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``): NCCL with one GPU per rank
+    (``cuda:LOCAL_RANK``, made current), gloo on a CPU machine; a single process when ``WORLD_SIZE`` is unset/1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return DataParallel(device=torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    from redline.trainer.parallel import ParallelConfig
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(minutes=timeout_minutes), device_id=device if device.type == "cuda"
+                            else None)
+    state = ParallelConfig(dp=world).build(device.type)
+    return DataParallel(rank=dist.get_rank(), world=world, state=state, device=device)

@@ -1,0 +1,30 @@
+"""The gradient half of an optimizer step, shared by the policy and the critic: weighted backward over
+micro-batches, the average over data-parallel ranks, clipping."""
+
+import torch
+from redline.loop.data_parallel import DataParallel
+
+
+def accumulate_and_clip(model, batches, weights: list[float], loss_fn, *, device, clip: float,
+                        dp: DataParallel) -> dict[str, float]:
+    """``Σ weight · loss`` backward over ``batches`` (``loss_fn(batch) -> (loss, metrics)``), gradients averaged
+    over the DP ranks, then clipped to ``clip`` (<= 0: no clipping). Returns the weighted sums of ``loss`` and
+    each metric, averaged over the ranks (with ``DataParallel.loss_weights`` these are whole-batch means), and
+    ``grad_norm``, the norm before clipping (NaN/inf when a gradient was)."""
+    totals: dict[str, torch.Tensor] = {}
+    for batch, weight in zip(batches, weights):
+        loss, metrics = loss_fn(batch.to(device))
+        (loss * weight).backward()
+        for key, value in {"loss": loss.detach(), **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + value.detach().float() * weight
+    max_norm = clip if clip > 0 else float("inf")
+    if dp.state is None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        from redline.trainer.parallel import clip_grad_norm, finalize_grads
+
+        finalize_grads(model, dp.state)
+        norm = clip_grad_norm(model, dp.state, max_norm)
+    result = dp.reduce_metrics({k: float(v) for k, v in totals.items()})
+    result["grad_norm"] = float(norm)
+    return result

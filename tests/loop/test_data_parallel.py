@@ -1,0 +1,94 @@
+"""Data parallelism under ``torchrun``: each rank trains on its shard of the rollouts with its own colocated
+engine, and together they take the steps one process takes on the whole batch (gloo on the CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from redline.configfile import ConfigError, apply_overrides
+from redline.loop.validate import check_data_parallel
+
+from .test_train import small_config
+
+QUICKSTART = ["examples/quickstart.toml", "--sft-steps", "3", "--eval-interval", "2", "--rollout-batch-size", "24",
+              "--global-batch-size", "192"]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train(out, *args, ranks: int = 1):
+    """``redline train`` on the quickstart, in one process or under ``torchrun`` with ``ranks`` processes."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+                if ranks > 1 else [sys.executable])
+    cmd = [*launcher, "-m", "redline.cli", "train", *QUICKSTART, "--output-dir", str(out), *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_records(expected, actual, *, rtol=1e-5, atol=1e-6):
+    assert [r["step"] for r in actual] == [r["step"] for r in expected]
+    for want, got in zip(expected, actual):
+        keys = [k for k in want if not k.startswith("perf/")]  # timings differ; everything else must not
+        assert sorted(keys) == sorted(k for k in got if not k.startswith("perf/"))
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=rtol, abs=atol), (want["step"], key)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo); on GPUs see test_two_gpu_ranks_train_sync_and_resume")
+    out = tmp_path_factory.mktemp("dp2")
+    records = train(out, "--num-rollout", "3", "--save-interval", "2", "--save-hf", str(out / "hf"), ranks=2)
+    return out, records
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_single_process_steps(two_ranks, tmp_path):
+    out, records = two_ranks
+    single = train(tmp_path, "--num-rollout", "3", "--save-hf", str(tmp_path / "hf"))
+    assert len(records) == 4 and "eval/reward_mean" in records[0] and "eval/reward_mean" in records[2]
+    assert_same_records(single, records)
+    one, two = load_file(tmp_path / "hf" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    assert sorted(one) == sorted(two)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_from_a_checkpoint_on_the_same_trajectory(two_ranks, tmp_path):
+    out, records = two_ranks
+    folder = out / "checkpoints" / "rollout_1"
+    assert sorted(p.name for p in folder.iterdir()) == ["model", "rank0.pt", "rank1.pt", "state.pt"]
+    resumed = train(tmp_path, "--num-rollout", "3", "--load", str(folder), ranks=2)
+    assert_same_records(records[-1:], resumed)
+    with pytest.raises(AssertionError, match="saved by 2 data-parallel rank"):
+        train(tmp_path / "one", "--num-rollout", "3", "--load", str(folder))
+
+
+@pytest.mark.multigpu
+def test_two_gpu_ranks_train_sync_and_resume(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (one per rank)")
+    records = train(tmp_path, "--num-rollout", "4", "--save-interval", "2", ranks=2)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    for record in records[1:]:
+        assert 0 <= record["rollout/reward_mean"] <= 1
+        assert torch.isfinite(torch.tensor([record["train/pg_loss"], record["train/grad_norm"]])).all()
+    resumed = train(tmp_path / "resumed", "--num-rollout", "4", "--load", str(tmp_path / "checkpoints" / "rollout_1"),
+                    ranks=2)
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert resumed[0]["rollout/reward_mean"] == pytest.approx(records[3]["rollout/reward_mean"], abs=0.05)
+
+
+def test_data_parallel_config_errors_name_the_flag(tmp_path):
+    config = small_config(tmp_path)
+    with pytest.raises(ConfigError, match="--rollout-batch-size 3 does not split over 2"):
+        check_data_parallel(apply_overrides(config, {"rollout_batch_size": "3", "global_batch_size": "6"}), 2)
+    with pytest.raises(ConfigError, match="--no-colocate runs in one launcher process"):
+        check_data_parallel(apply_overrides(config, {"colocate": "false"}), 2)
