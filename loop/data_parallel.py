@@ -1,10 +1,12 @@
 """Data parallelism for ``redline train`` under ``torchrun``: every rank a trainer with its own colocated engine.
 
 Each rank generates its shard of every rollout batch (the prompt stream is split by ``DataSource`` rank), scores
-it and computes advantages on it (groups never straddle ranks), and trains on it. Loss weights are normalised
-by the whole batch's total (``loss_weights``) and gradients are averaged over the ranks before clipping, so each
-optimizer step is the one a single process would take on the whole batch, and every rank holds the same weights,
-which it then pushes into its own engine. Metrics are reduced over the ranks; rank 0 writes the files.
+it and computes log-probs and advantages on it (groups never straddle ranks). For training the ranks pool their
+samples, and each optimizer step's token-budget micro-batches are dealt out across the ranks by token load
+(``balance_across_ranks``). Loss weights are normalised by the whole batch's total (``loss_weights``) and
+gradients are averaged over the ranks before clipping, so each optimizer step is the one a single process would
+take on the whole batch, and every rank holds the same weights, which it then pushes into its own engine.
+Metrics are reduced over the ranks; rank 0 writes the files.
 """
 
 import os
@@ -46,6 +48,16 @@ class DataParallel:
         values = values.to(self.device, copy=True)
         dist.all_reduce(values)
         return values.cpu()
+
+    def pool_samples(self, samples: list, per_token: dict[str, list]) -> tuple[list, dict[str, list]]:
+        """Every rank's samples and per-sample values, concatenated in rank order (the same lists on every rank),
+        so that each optimizer step's micro-batches can be dealt out across ranks by tokens."""
+        if self.world == 1:
+            return samples, per_token
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, (samples, per_token))
+        pooled = [s for rank_samples, _ in gathered for s in rank_samples]
+        return pooled, {k: [v for _, values in gathered for v in values[k]] for k in per_token}
 
     def loss_weights(self, units: list[float]) -> list[float]:
         """Per-micro-batch loss weights from this rank's aggregation units (tokens, sequences): each unit over the

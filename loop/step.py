@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import torch
 from redline.kernels.reference import kl_estimate
 from redline.loop.advantages import AdaptiveKLController, compute_advantages
-from redline.loop.batching import aggregation_weight, pack, split_by_token_budget
+from redline.loop.batching import (
+    aggregation_weight,
+    balance_across_ranks,
+    pack,
+    split_by_token_budget,
+)
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.rollout.types import Sample
 
@@ -54,6 +59,13 @@ def per_sample_logprobs(state: RunState, samples: list[Sample], *, reference: bo
     return per_sample(state, samples, lambda batch: state.worker.logprobs(batch, reference=reference)[0])
 
 
+def global_batch_ids(step: int, global_batch_size: int, per_rank: int, world: int) -> list[int]:
+    """Indices into the pooled samples (rank ``r``'s ``per_rank`` samples at ``r · per_rank``) of optimizer step
+    ``step``'s global batch: the ``step``-th ``global_batch_size / world`` slice of every rank's samples."""
+    size = global_batch_size // world
+    return [r * per_rank + i for r in range(world) for i in range(step * size, (step + 1) * size)]
+
+
 def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     cfg, algo, dp = state.config, state.config.algo, state.dp
     step_start = clock()
@@ -94,16 +106,17 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     if ref_logp is not None and state.loss_cfg.kl_coef > 0:
         per_token["ref_logp"] = ref_logp
 
-    # 4. optimizer steps over global batches of packed micro-batches (each rank holds 1/world of every batch)
+    # 4. optimizer steps over global batches of packed micro-batches, dealt out across the data-parallel ranks
     t0 = clock()
     train_metrics: list[dict[str, float]] = []
-    gbs = cfg.train.global_batch_size // dp.world
+    pool, pool_values = dp.pool_samples(samples, per_token)
     trained_tokens = 0
     for step in range(cfg.train.num_steps_per_rollout):
-        ids = list(range(step * gbs, (step + 1) * gbs))
-        lengths = [len(samples[i].tokens) for i in ids]
-        batches = [pack(samples, [ids[j] for j in group], per_token)
-                   for group in split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)]
+        ids = global_batch_ids(step, cfg.train.global_batch_size, len(samples), dp.world)
+        lengths = [len(pool[i].tokens) for i in ids]
+        micro = split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)
+        mine = balance_across_ranks(micro, lengths, dp.world)[dp.rank]
+        batches = [pack(pool, [ids[j] for j in group], pool_values) for group in mine]
         weights = dp.loss_weights([aggregation_weight(b, state.loss_cfg.agg) for b in batches])
         train_metrics.append(state.worker.step(
             batches, weights,
@@ -111,7 +124,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         if state.critic:
             tokens = dp.loss_weights([aggregation_weight(b, "token-mean") for b in batches])
             train_metrics[-1].update(state.critic.step(batches, tokens))
-        trained_tokens += sum(lengths)
+        trained_tokens += sum(b.num_tokens for b in batches)
         if state.worker.bad_steps > cfg.train.max_bad_steps:
             raise FloatingPointError(f"{state.worker.bad_steps} steps had a NaN/inf loss or gradient "
                                      f"(--max-bad-steps {cfg.train.max_bad_steps}); stopping")

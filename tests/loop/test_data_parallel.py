@@ -92,3 +92,12 @@ def test_data_parallel_config_errors_name_the_flag(tmp_path):
         check_data_parallel(apply_overrides(config, {"rollout_batch_size": "3", "global_batch_size": "6"}), 2)
     with pytest.raises(ConfigError, match="--no-colocate runs in one launcher process"):
         check_data_parallel(apply_overrides(config, {"colocate": "false"}), 2)
+
+
+def test_global_batch_ids_take_each_ranks_slice_of_the_pool():
+    from redline.loop.step import global_batch_ids
+
+    # two ranks with 6 pooled samples each (rank 1's at 6..11), global batch 6 → 3 per rank per step
+    assert global_batch_ids(0, 6, 6, 2) == [0, 1, 2, 6, 7, 8]
+    assert global_batch_ids(1, 6, 6, 2) == [3, 4, 5, 9, 10, 11]
+    assert global_batch_ids(1, 4, 8, 1) == [4, 5, 6, 7]
