@@ -18,7 +18,7 @@ from redline.rollout.engine import (
 )
 from redline.rollout.sglang.client import SGLangClient
 from redline.rollout.sglang.payload import serialize_bucket
-from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_server
+from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_servers
 from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
 
 SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
@@ -49,20 +49,19 @@ class SGLangEngine:
                **server_kwargs) -> SGLangEngine:
         """Start ``num_engines`` servers, by default on consecutive GPU groups of ``tp_size`` GPUs
         (``base_gpu_ids`` overrides, e.g. ``[0, 0]`` for two small servers sharing one GPU), plus sglang-router
-        when there are several and it is installed (``use_router=None``) or when asked (``True``)."""
+        when there are several and it is installed (``use_router=None``) or when asked (``True``). Servers on
+        disjoint GPUs start concurrently (``launch_servers``)."""
         from redline.extras import available
 
         base_gpu_ids = base_gpu_ids if base_gpu_ids is not None else [i * tp_size for i in range(num_engines)]
         if len(base_gpu_ids) != num_engines:
             raise ValueError(f"base_gpu_ids has {len(base_gpu_ids)} entries for num_engines={num_engines}")
-        servers: list[ManagedProcess] = []
+        servers = launch_servers(model_path, base_gpu_ids, tp_size=tp_size, extra_args=list(sglang_args),
+                                 log_dir=log_dir, **server_kwargs)
+        urls = [s.url for s in servers]
+        if use_router is None:
+            use_router = num_engines > 1 and available("sglang_router")
         try:
-            for base_gpu_id in base_gpu_ids:
-                servers.append(launch_server(model_path, base_gpu_id=base_gpu_id, tp_size=tp_size,
-                                             extra_args=list(sglang_args), log_dir=log_dir, **server_kwargs))
-            urls = [s.url for s in servers]
-            if use_router is None:
-                use_router = num_engines > 1 and available("sglang_router")
             router = launch_router(urls, log_dir=log_dir) if use_router else None
         except BaseException:
             for s in servers:

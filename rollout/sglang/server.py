@@ -90,14 +90,51 @@ def launch_server(model_path: str | Path, *, base_gpu_id: int = 0, tp_size: int 
                   timeout: float = 600.0) -> ManagedProcess:
     """Start ``python -m sglang.launch_server`` on GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1`` and wait
     until it is healthy. Memory saver on by default: colocated training needs release/resume."""
+    [server] = launch_servers(model_path, [base_gpu_id], tp_size=tp_size, ports=[port],
+                              enable_memory_saver=enable_memory_saver, extra_args=extra_args, log_dir=log_dir,
+                              timeout=timeout)
+    return server
+
+
+def launch_servers(model_path: str | Path, base_gpu_ids: list[int], *, tp_size: int = 1,
+                   ports: list[int | None] | None = None, enable_memory_saver: bool = True,
+                   extra_args: list[str] = (), log_dir: str | Path = "logs", timeout: float = 600.0
+                   ) -> list[ManagedProcess]:
+    """One server per entry of ``base_gpu_ids``, healthy on return (all stopped again if one fails). Servers on
+    disjoint GPUs start together (start-up is ~35 s each); a server sharing a GPU with an earlier one starts
+    after it is up, since SGLang sizes its memory from what is free when it starts."""
     require("sglang", "launching SGLang servers")
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", "127.0.0.1",
-           "--port", str(port), "--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id)]
-    if enable_memory_saver:
-        cmd.append("--enable-memory-saver")
-    cmd += passthrough_args(list(extra_args))
-    return _start_healthy(cmd, port, Path(log_dir) / f"sglang-{port}.log", timeout)
+    extra = passthrough_args(list(extra_args))
+    ports = list(ports or [None] * len(base_gpu_ids))
+    started: list[ManagedProcess | None] = [None] * len(base_gpu_ids)
+    try:
+        for wave in start_waves(base_gpu_ids, tp_size):
+            for i in wave:
+                port = ports[i] or free_port()
+                cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+                       "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size),
+                       "--base-gpu-id", str(base_gpu_ids[i]), *(["--enable-memory-saver"] if enable_memory_saver
+                                                              else []), *extra]
+                log = Path(log_dir) / f"sglang-{port}.log"
+                started[i] = ManagedProcess(f"http://127.0.0.1:{port}", _spawn(cmd, log), log)
+            for i in wave:
+                wait_until_healthy(started[i].url, started[i].process, timeout, started[i].log)
+    except BaseException:
+        for server in started:
+            if server is not None:
+                server.stop()
+        raise
+    return started
+
+
+def start_waves(base_gpu_ids: list[int], tp_size: int) -> list[list[int]]:
+    """Server indices grouped into start-up waves: server ``i`` goes one wave after the last earlier server whose
+    GPUs ``base .. base + tp_size - 1`` overlap its own."""
+    gpus = [set(range(base, base + tp_size)) for base in base_gpu_ids]
+    wave_of: list[int] = []
+    for i, mine in enumerate(gpus):
+        wave_of.append(1 + max((wave_of[j] for j in range(i) if gpus[j] & mine), default=-1))
+    return [[i for i, w in enumerate(wave_of) if w == wave] for wave in range(max(wave_of, default=-1) + 1)]
 
 
 def launch_router(worker_urls: list[str], *, port: int | None = None, log_dir: str | Path = "logs",

@@ -10,7 +10,7 @@ from redline.rollout import sglang as _sglang_pkg  # noqa: F401 - the package im
 from redline.rollout.engine import SerializedBucket
 from redline.rollout.sglang import client as client_module
 from redline.rollout.sglang.engine import SGLangEngine
-from redline.rollout.sglang.server import passthrough_args
+from redline.rollout.sglang.server import passthrough_args, start_waves
 from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams
 
 from .fake_sglang import FakeSGLang
@@ -118,6 +118,14 @@ def test_passthrough_strips_prefix_and_rejects_owned_flags():
         ["--mem-fraction-static", "0.5", "--disable-cuda-graph"]
     with pytest.raises(ValueError, match="'--port' is set by redline"):
         passthrough_args(["--sglang-port", "30000"])
+
+
+def test_servers_on_disjoint_gpus_start_together_and_sharing_ones_one_after_another():
+    assert start_waves([0, 1, 2, 3], tp_size=1) == [[0, 1, 2, 3]]
+    assert start_waves([0, 2, 4, 6], tp_size=2) == [[0, 1, 2, 3]]
+    assert start_waves([0, 0], tp_size=1) == [[0], [1]]  # two small servers on one GPU (the live router test)
+    # GPUs {0,1}, {1,2}, {0,1}, {2,3}: each after the last earlier server it shares a GPU with
+    assert start_waves([0, 1, 0, 2], tp_size=2) == [[0], [1], [2, 3]]
 
 
 def test_requests_while_paused_return_aborted_without_reaching_the_server():
