@@ -100,7 +100,7 @@ setup(
         "data": ["pyarrow", "sympy", "aiohttp"],
         "wandb": ["wandb"],
         "test": ["pytest>=8", "pytest-benchmark", "triton>=3.2", "hypothesis", "pyarrow", "sympy",
-                 "nvidia-ml-py", "aiohttp"],
+                 "nvidia-ml-py", "aiohttp", "wandb"],
     },
     entry_points={"console_scripts": ["redline=redline.cli:main"]},
     cmdclass={"build_py": BuildPyWithNative},
