@@ -130,7 +130,11 @@ def init_data_parallel(timeout_minutes: float) -> DataParallel:
     from redline.trainer.parallel import ParallelConfig
 
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        local_rank, visible = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        if local_rank >= visible:
+            raise RuntimeError(f"torchrun local rank {local_rank} needs its own GPU, but {visible} are visible "
+                               "(CUDA_VISIBLE_DEVICES): start at most that many processes per node")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
