@@ -127,11 +127,9 @@ def check_engine(config) -> None:
 
 
 def check_data_parallel(config, world_size: int) -> None:
-    """``torchrun`` with ``world_size`` processes: colocated data parallelism, batches that split evenly, and
-    (on GPUs) one GPU per local rank."""
+    """``torchrun`` with ``world_size`` processes: colocated data parallelism and batches that split evenly (one
+    GPU per local rank is checked when the process group starts, ``init_data_parallel``)."""
     import os
-
-    import torch
 
     if not config.parallel.colocate:
         raise ConfigError(f"--no-colocate runs in one launcher process (the engines are its children), but this is "
@@ -143,10 +141,6 @@ def check_data_parallel(config, world_size: int) -> None:
         if value % world_size:
             raise ConfigError(f"{flag} {value} does not split over {world_size} data-parallel ranks: make it a "
                               f"multiple of {world_size}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if torch.cuda.is_available() and torch.cuda.device_count() < local:
-        raise ConfigError(f"torchrun started {local} processes on this machine, one GPU each, but "
-                          f"{torch.cuda.device_count()} GPU(s) are visible (CUDA_VISIBLE_DEVICES)")
 
 
 def check_placement(config, world_size: int = 1) -> None:
