@@ -25,7 +25,10 @@ class ReferencePolicy:
             resident = not on_gpu or torch.cuda.mem_get_info(params[0].device)[0] > 3 * model_bytes
         self.resident = resident
         if resident:
-            self.model = copy.deepcopy(model).requires_grad_(False).eval()
+            # the copy shares the policy's process groups (a parallelised model holds them; they do not copy)
+            groups = getattr(model, "parallel_state", None)
+            memo = {id(groups): groups} if groups is not None else {}
+            self.model = copy.deepcopy(model, memo).requires_grad_(False).eval()
             self.host_weights = None
         else:
             self.model = None

@@ -71,6 +71,19 @@ def test_two_ranks_resume_from_a_checkpoint_on_the_same_trajectory(two_ranks, tm
         train(tmp_path / "one", "--num-rollout", "3", "--load", str(folder))
 
 
+@pytest.mark.slow
+def test_two_ranks_match_one_with_whitening_and_kl_in_the_reward(tmp_path):
+    """reinforce++ whitens over the whole batch and the adaptive KL controller reads the whole batch's KL (both
+    summed over ranks); the reference copy shares the policy's process groups."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo)")
+    args = ["--num-rollout", "2", "--sft-steps", "2", "--eval-interval", "0", "--advantage-estimator",
+            "reinforce_plus_plus", "--kl-coef", "0.01", "--kl-target", "0.01"]
+    single = train(tmp_path / "one", *args)
+    assert single[-1]["train/kl_coef"] != 0.01  # the controller moved
+    assert_same_records(single, train(tmp_path / "two", *args, ranks=2))
+
+
 @pytest.mark.multigpu
 def test_two_gpu_ranks_train_sync_and_resume(tmp_path):
     if torch.cuda.device_count() < 2:
