@@ -72,15 +72,21 @@ def test_two_ranks_resume_from_a_checkpoint_on_the_same_trajectory(two_ranks, tm
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_with_whitening_and_kl_in_the_reward(tmp_path):
-    """reinforce++ whitens over the whole batch and the adaptive KL controller reads the whole batch's KL (both
-    summed over ranks); the reference copy shares the policy's process groups."""
+@pytest.mark.parametrize("estimator", [
+    # whitening over the whole batch and the adaptive KL controller reading the whole batch's KL (both summed over
+    # ranks); the reference copy shares the policy's process groups
+    ["reinforce_plus_plus", "--kl-coef", "0.01", "--kl-target", "0.01"],
+    ["ppo"],  # the critic's gradients are averaged over the ranks too
+], ids=["reinforce_plus_plus-kl", "ppo"])
+def test_two_ranks_match_one_for_whole_batch_estimators(estimator, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the CPU variant (gloo)")
-    args = ["--num-rollout", "2", "--sft-steps", "2", "--eval-interval", "0", "--advantage-estimator",
-            "reinforce_plus_plus", "--kl-coef", "0.01", "--kl-target", "0.01"]
+    args = ["--num-rollout", "2", "--sft-steps", "2", "--eval-interval", "0", "--advantage-estimator", *estimator]
     single = train(tmp_path / "one", *args)
-    assert single[-1]["train/kl_coef"] != 0.01  # the controller moved
+    if "--kl-target" in estimator:
+        assert single[-1]["train/kl_coef"] != 0.01  # the controller moved
+    else:
+        assert single[-1]["train/value_loss"] > 0
     assert_same_records(single, train(tmp_path / "two", *args, ranks=2))
 
 
