@@ -11,7 +11,7 @@ import math
 import torch
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
-from redline.loop.schedule import build_optimizer, build_scheduler
+from redline.loop.schedule import build_optimizer, build_scheduler, optimizer_state
 from redline.loop.worker import _forward_hidden
 from torch import nn
 
@@ -39,7 +39,7 @@ class CriticWorker:
         self.dp = dp
         self.cfg = train_cfg
         self.value_clip = value_clip
-        self.optimizer = build_optimizer(self.model.parameters(), train_cfg, lr=lr)
+        self.optimizer = build_optimizer(self.model.parameters(), train_cfg, lr=lr, dp=dp)
         self.scheduler = build_scheduler(self.optimizer, train_cfg, total_steps)
         self.device = self.model.head.weight.device
 
@@ -71,7 +71,7 @@ class CriticWorker:
         return totals
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.model.state_dict(), "optimizer": optimizer_state(self.optimizer, self.dp),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -5,14 +5,31 @@ import math
 import torch
 
 from redline.config import TrainConfig
+from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 
 
-def build_optimizer(params, cfg: TrainConfig, lr: float | None = None) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA (one kernel for all parameters)."""
+def build_optimizer(params, cfg: TrainConfig, lr: float | None = None,
+                    dp: DataParallel = SINGLE_PROCESS) -> torch.optim.Optimizer:
+    """AdamW, fused on CUDA (one kernel for all parameters). With several data-parallel ranks its states are
+    sharded over them (ZeRO-1, ``ZeroRedundancyOptimizer``): each rank updates its share and broadcasts it."""
     params = [p for p in params if p.requires_grad]
-    fused = bool(params) and params[0].is_cuda
-    return torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             weight_decay=cfg.weight_decay, fused=fused)
+    options = dict(lr=cfg.lr if lr is None else lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                   weight_decay=cfg.weight_decay, fused=bool(params) and params[0].is_cuda)
+    if dp.world == 1:
+        return torch.optim.AdamW(params, **options)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp.state.dp_group,
+                                   **options)
+
+
+def optimizer_state(optimizer, dp: DataParallel = SINGLE_PROCESS) -> dict | None:
+    """The optimizer's whole state on rank 0 (None elsewhere). Collective under ZeRO-1: every rank must call it,
+    the shards are gathered to rank 0."""
+    if dp.world == 1:
+        return optimizer.state_dict()
+    optimizer.consolidate_state_dict(to=0)
+    return optimizer.state_dict() if dp.is_main else None
 
 
 def lr_factor(step: int, warmup: int, total: int, style: str, min_ratio: float) -> float:

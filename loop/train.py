@@ -107,6 +107,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
             loop.run_until_complete(engine.shutdown())
             raise
     console.print(weight_sync.describe())
+    if dp.world > 1:
+        console.print(f"data parallel: {dp.world} ranks, AdamW states sharded over them (ZeRO-1)")
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, weight_sync=weight_sync,
                     loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic, dp=dp), tokenizer
 

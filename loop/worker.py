@@ -17,7 +17,7 @@ from redline.loop.batching import MicroBatch
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
 from redline.loop.reference import ReferencePolicy
-from redline.loop.schedule import build_optimizer, build_scheduler
+from redline.loop.schedule import build_optimizer, build_scheduler, optimizer_state
 from redline.trainer.padding import token_multiple
 
 
@@ -44,7 +44,7 @@ class TrainerWorker:
         self.dp = dp
         self.cfg = train_cfg
         self.temperature = temperature
-        self.optimizer = build_optimizer(model.parameters(), train_cfg)
+        self.optimizer = build_optimizer(model.parameters(), train_cfg, dp=dp)
         self.scheduler = build_scheduler(self.optimizer, train_cfg, total_steps)
         self.rl_optimizer = (self.optimizer, self.scheduler)
         self.reference = ReferencePolicy(model) if keep_reference else None
@@ -97,7 +97,7 @@ class TrainerWorker:
 
     def begin_sft(self, lr: float, steps: int) -> None:
         """Switch to a fresh optimiser for an SFT warm-up of ``steps`` steps at ``lr`` (warmup, then constant)."""
-        self.optimizer = build_optimizer(self.model.parameters(), self.cfg, lr=lr)
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg, lr=lr, dp=self.dp)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, steps)
 
     def end_sft(self) -> None:
@@ -125,7 +125,8 @@ class TrainerWorker:
         return result
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        """Optimizer (whole on rank 0, None elsewhere: collective under ZeRO-1), scheduler, counters."""
+        return {"optimizer": optimizer_state(self.optimizer, self.dp), "scheduler": self.scheduler.state_dict(),
                 "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict) -> None:

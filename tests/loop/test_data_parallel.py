@@ -27,6 +27,7 @@ def train(out, *args, ranks: int = 1):
     cmd = [*launcher, "-m", "redline.cli", "train", *QUICKSTART, "--output-dir", str(out), *args]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (out / "console.log").write_text(done.stdout)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -51,6 +52,7 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.slow
 def test_two_ranks_take_the_single_process_steps(two_ranks, tmp_path):
     out, records = two_ranks
+    assert "data parallel: 2 ranks, AdamW states sharded over them (ZeRO-1)" in (out / "console.log").read_text()
     single = train(tmp_path, "--num-rollout", "3", "--save-hf", str(tmp_path / "hf"))
     assert len(records) == 4 and "eval/reward_mean" in records[0] and "eval/reward_mean" in records[2]
     assert_same_records(single, records)
