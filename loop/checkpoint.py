@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

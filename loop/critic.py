@@ -9,11 +9,12 @@ token-mean over the loss positions: ``max((V_clip − R)², (V − R)²)`` with
 import math
 
 import torch
+from torch import nn
+
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
 from redline.loop.schedule import build_optimizer, build_scheduler, optimizer_state
 from redline.loop.worker import _forward_hidden
-from torch import nn
 
 
 class ValueModel(nn.Module):

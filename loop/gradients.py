@@ -2,6 +2,7 @@
 micro-batches, the average over data-parallel ranks, clipping."""
 
 import torch
+
 from redline.loop.data_parallel import DataParallel
 
 

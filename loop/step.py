@@ -9,14 +9,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from redline.kernels.reference import kl_estimate
 from redline.loop.advantages import AdaptiveKLController, compute_advantages
-from redline.loop.batching import (
-    aggregation_weight,
-    balance_across_ranks,
-    pack,
-    split_by_token_budget,
-)
+from redline.loop.batching import aggregation_weight, balance_across_ranks, pack, split_by_token_budget
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.rollout.types import Sample
 

@@ -6,6 +6,8 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+from rich.console import Console
+
 from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.loop import checkpoint
 from redline.loop.advantages import AdaptiveKLController
@@ -16,7 +18,6 @@ from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.step import RunState, rl_step
 from redline.loop.validate import loss_config, validate
 from redline.loop.worker import TrainerWorker
-from rich.console import Console
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -47,16 +48,12 @@ def layer_backend_for(config, name: str):
 def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataParallel = SINGLE_PROCESS):
     """``(RunState, tokenizer)`` for a validated config; engine server logs (SGLang) go to ``log_dir``. Under
     data parallelism each rank builds its own trainer (on ``dp.device``) and colocated engine."""
-    from redline.loop.rollout_setup import (
-        build_rollout,
-        engine_devices,
-        resolve_engine,
-        trainer_device,
-    )
+    from transformers import AutoTokenizer
+
+    from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
     from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
-    from transformers import AutoTokenizer
 
     device = dp.device if dp.world > 1 else trainer_device(config)
     if device.type == "cuda" and device.index is not None:

@@ -7,12 +7,8 @@ A plain class with narrow methods, so a Ray actor can wrap it unchanged. All LM-
 import math
 
 import torch
-from redline.kernels import (
-    LossConfig,
-    fused_linear_logprobs,
-    fused_linear_policy_loss,
-    policy_loss,
-)
+
+from redline.kernels import LossConfig, fused_linear_logprobs, fused_linear_policy_loss, policy_loss
 from redline.loop.batching import MicroBatch
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip

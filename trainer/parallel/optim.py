@@ -2,9 +2,10 @@
 
 import torch
 import torch.distributed as dist
-from redline.trainer.parallel.config import ParallelState
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from redline.trainer.parallel.config import ParallelState
 
 
 def finalize_grads(model: nn.Module, state: ParallelState) -> None:
