@@ -35,11 +35,7 @@ class DataParallel:
 
     def sum(self, value: float) -> float:
         """``value`` summed over the ranks."""
-        if self.world == 1:
-            return float(value)
-        total = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        return float(total)
+        return float(self.sum_tensor(torch.tensor(float(value), dtype=torch.float64)))
 
     def sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (any device) summed element-wise over the ranks, returned on the CPU."""
@@ -86,10 +82,9 @@ class DataParallel:
         if self.world == 1:
             return dict(metrics)
         keys = sorted(metrics)
-        values = torch.tensor([float(metrics[k]) * weight for k in keys] + [float(weight)], dtype=torch.float64,
-                              device=self.device)
-        dist.all_reduce(values)
-        return {k: v / values[-1].item() for k, v in zip(keys, values[:-1].tolist())}
+        totals = self.sum_tensor(torch.tensor([float(metrics[k]) * weight for k in keys] + [float(weight)],
+                                              dtype=torch.float64)).tolist()
+        return {k: v / totals[-1] for k, v in zip(keys, totals[:-1])}
 
     def from_main(self, make):
         """``make()`` run on rank 0 only, its result (picklable) handed to every rank; a ``ValueError`` it raises
