@@ -1,8 +1,8 @@
 """Checkpoints: HF model directory + trainer state (optimizer, scheduler, RNG, data position, counters).
 
 Layout under ``<output_dir>/checkpoints/``: ``rollout_<N>/model/`` (HF safetensors + config + tokenizer, loadable
-by transformers), ``rollout_<N>/state.pt`` (what every rank shares: optimizer, scheduler, counters, the world
-size), ``rollout_<N>/rank<r>.pt`` per data-parallel rank (its data position and RNG states), and ``latest``
+by transformers), ``rollout_<N>/state.pt`` (what every rank shares: optimizer, scheduler, counters),
+``rollout_<N>/rank<r>.pt`` per data-parallel rank (its data position and RNG states), and ``latest``
 naming the newest ``rollout_<N>``.
 """
 
@@ -49,7 +49,7 @@ def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict, r
     if dp.is_main:
         model.save_pretrained(tmp / "model")
         copy_tokenizer(tokenizer_dir, tmp / "model")
-        torch.save({**state, "rollout_id": rollout_id, "world_size": dp.world}, tmp / "state.pt")
+        torch.save({**state, "rollout_id": rollout_id}, tmp / "state.pt")
     dp.barrier()
     if dp.is_main:
         shutil.rmtree(folder, ignore_errors=True)
@@ -77,10 +77,7 @@ def resolve(load: str | Path) -> Path:
 
 
 def load_state(folder: Path, dp: DataParallel = SINGLE_PROCESS) -> tuple[dict, dict]:
-    """``(shared state, this rank's state)`` of a checkpoint; RNG states (in the rank's) are restored by the
-    caller with ``set_rng_state``. A checkpoint resumes only with the data-parallel size it was saved with."""
-    shared = torch.load(Path(folder) / "state.pt", weights_only=False)
-    if shared["world_size"] != dp.world:
-        raise ValueError(f"--load {folder}: saved by {shared['world_size']} data-parallel rank(s), this run has "
-                         f"{dp.world}; resume with the same number of processes")
-    return shared, torch.load(Path(folder) / f"rank{dp.rank}.pt", weights_only=False)
+    """``(shared state, this rank's state)`` of a checkpoint (``validate.check_load`` has checked it was saved by
+    as many ranks); RNG states (in the rank's) are restored by the caller with ``set_rng_state``."""
+    return (torch.load(Path(folder) / "state.pt", weights_only=False),
+            torch.load(Path(folder) / f"rank{dp.rank}.pt", weights_only=False))

@@ -126,6 +126,21 @@ def check_engine(config) -> None:
             raise ConfigError(f"--sglang-args {arg}: set the memory fraction with --sglang-mem-fraction-static")
 
 
+def check_load(load, world_size: int) -> None:
+    """``--load``: a checkpoint exists there, saved by as many data-parallel ranks as this run has (each rank
+    resumes its own data position from ``rank<r>.pt``)."""
+    from redline.loop.checkpoint import resolve
+
+    try:
+        folder = resolve(load)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    saved = len(list(folder.glob("rank*.pt")))
+    if saved != world_size:
+        raise ConfigError(f"--load {folder}: saved by {saved} data-parallel rank(s) (rank<r>.pt files), this run "
+                          f"has {world_size}; resume with the same number of processes")
+
+
 def check_data_parallel(config, world_size: int) -> None:
     """``torchrun`` with ``world_size`` processes: colocated data parallelism and batches that split evenly (one
     GPU per local rank is checked when the process group starts, ``init_data_parallel``)."""
@@ -202,6 +217,8 @@ def validate(config, world_size: int = 1) -> None:
     check_backends(config)
     check_engine(config)
     check_placement(config, world_size)
+    if config.checkpoint.load:
+        check_load(config.checkpoint.load, world_size)
     if config.sync.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
     try:

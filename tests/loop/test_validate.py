@@ -165,3 +165,16 @@ def test_auto_engine_is_sglang_only_where_it_can_run(machine, installed, gpu, ex
 def test_weight_buffer_size_must_be_positive(model_dir, data_file):
     with pytest.raises(ConfigError, match="--update-weight-buffer-size must be >= 1 byte, got 0"):
         validate(config_with(model_dir, data_file, update_weight_buffer_size="0"))
+
+
+def test_load_needs_a_checkpoint_saved_by_as_many_ranks(model_dir, data_file, tmp_path):
+    with pytest.raises(ConfigError, match="--load .*nowhere: no checkpoint there"):
+        validate(config_with(model_dir, data_file, load=str(tmp_path / "nowhere")))
+    folder = tmp_path / "checkpoints" / "rollout_3"
+    folder.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("rollout_3")
+    for name in ("state.pt", "rank0.pt", "rank1.pt"):
+        (folder / name).write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"saved by 2 data-parallel rank\(s\).*this run has 1"):
+        validate(config_with(model_dir, data_file, load=str(tmp_path)))
+    validate(config_with(model_dir, data_file, load=str(tmp_path)), world_size=2)
