@@ -61,6 +61,13 @@ def flat_buckets(plan, export):
     return flats
 
 
+def counting_setup(export):
+    """A plan of one layer per bucket, the shared ``counts`` of ``counting_receiver`` (buffers opened, still mapped)
+    and shared zeroed targets."""
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    return plan, torch.zeros(2, dtype=torch.int64).share_memory_(), sync_procs.shared_zeros_like(export)
+
+
 def assert_targets_equal(targets, export, plan=None):
     for name, tensor in export:
         source = (plan.aliases.get(name, name) if plan else name)
@@ -215,9 +222,7 @@ def test_sampled_checksums_still_catch_a_scribbled_bucket():
 
 def test_staging_slots_are_mapped_once_for_all_syncs():
     export = qwen3_export(num_layers=4)
-    plan = plan_for(export, bucket_bytes=layer_bytes())
-    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
-    targets = sync_procs.shared_zeros_like(export)
+    plan, counts, targets = counting_setup(export)
     with connected(sync_procs.counting_receiver, targets, counts, plan=plan, num_slots=2) as sender:
         slots = None
         for step in range(5):
@@ -231,9 +236,7 @@ def test_staging_slots_are_mapped_once_for_all_syncs():
 
 def test_release_unmaps_the_slots_and_the_next_sync_maps_new_ones():
     export = qwen3_export(num_layers=3)
-    plan = plan_for(export, bucket_bytes=layer_bytes())
-    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
-    targets = sync_procs.shared_zeros_like(export)
+    plan, counts, targets = counting_setup(export)
     with connected(sync_procs.counting_receiver, targets, counts, plan=plan, num_slots=2) as sender:
         sender.sync(export)
         sender.release()
@@ -246,9 +249,7 @@ def test_release_unmaps_the_slots_and_the_next_sync_maps_new_ones():
 
 def test_zero_copy_maps_each_flat_bucket_once_and_unmaps_buffers_no_longer_used():
     export = qwen3_export(num_layers=3)
-    plan = plan_for(export, bucket_bytes=layer_bytes())
-    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
-    targets = sync_procs.shared_zeros_like(export)
+    plan, counts, targets = counting_setup(export)
     with connected(sync_procs.counting_receiver, targets, counts, plan=plan) as sender:
         flats = flat_buckets(plan, export)
         for _ in range(3):
@@ -298,9 +299,7 @@ def test_a_target_loader_skipping_names_still_checks_the_whole_bucket():
 
 def test_buffers_shared_for_one_sync_only_are_unmapped_when_it_ends():
     export = qwen3_export(num_layers=2)
-    plan = plan_for(export, bucket_bytes=layer_bytes())
-    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
-    targets = sync_procs.shared_zeros_like(export)
+    plan, counts, targets = counting_setup(export)
     with connected(sync_procs.counting_receiver, targets, counts, plan=plan) as sender:
         for step in range(2):
             export = qwen3_export(num_layers=2, seed=step)
@@ -311,9 +310,7 @@ def test_buffers_shared_for_one_sync_only_are_unmapped_when_it_ends():
 
 def test_senders_sharing_a_connection_keep_their_own_state():
     export = qwen3_export(num_layers=3)
-    plan = plan_for(export, bucket_bytes=layer_bytes())
-    counts = torch.zeros(2, dtype=torch.int64).share_memory_()
-    targets = sync_procs.shared_zeros_like(export)
+    plan, counts, targets = counting_setup(export)
     proc, conn = start(sync_procs.counting_receiver, targets, counts)
     first, second = sender_for(conn, proc, plan), sender_for(conn, proc, plan, num_slots=1)
     for step in range(4):
