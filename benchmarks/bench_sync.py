@@ -34,10 +34,13 @@ time SGLang's own handling takes is named.
 
 Multi-GPU (``-m multigpu``, 2 or 4 GPUs): disaggregated broadcast to N-1 receivers and a plain NCCL broadcast of
 the same bytes in the same chunks, measured alternately by the same processes; the redline row records the
-fraction of NCCL's bandwidth it reaches (target >= 0.8).
+fraction of NCCL's bandwidth it reaches (target >= 0.8). A third mode runs redline's sync over a second group whose
+NCCL stream has normal priority (``init_weight_update_group(high_priority=False)``), to show what the default's
+high-priority stream buys.
 """
 
 import asyncio
+import functools
 import gc
 import multiprocessing as mp
 import statistics
@@ -776,27 +779,31 @@ def _broadcast_rank(rank, world, port, specs, tied, commands, results):
         if on_gpu:
             torch.cuda.set_device(rank)
         device = torch.device("cuda", rank) if on_gpu else torch.device(DEVICE)
-        group = init_weight_update_group("127.0.0.1", port, rank, world, "redline-bench-pp0",
-                                         backend="nccl" if on_gpu else "gloo")
         plan = _plan(specs, tied, BROADCAST_BUCKET_MIB)
-        if rank == 0:
-            trainer = Trainer(specs, plan)
-            sender = BroadcastSender(group, plan, device)
-            sync = lambda: sender.sync(trainer.export)
-        else:
-            loader = TargetLoader({s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs})
-            receiver = BroadcastReceiver(group, plan, device)
-            sync = lambda: receiver.sync(loader)
+        trainer = Trainer(specs, plan) if rank == 0 else None
+        loader = None if rank == 0 else TargetLoader({s.name: torch.empty(s.shape, dtype=s.dtype, device=device)
+                                                      for s in specs})
+        groups, runs = {}, {}
+        for high_priority, port_offset in ((True, 0), (False, 1)):  # the default, and NCCL at normal priority
+            group = init_weight_update_group("127.0.0.1", port + port_offset, rank, world,
+                                             f"redline-bench-pp0-{high_priority}",
+                                             backend="nccl" if on_gpu else "gloo", high_priority=high_priority)
+            groups[high_priority] = group
+            if rank == 0:
+                runs[high_priority] = functools.partial(BroadcastSender(group, plan, device).sync, trainer.export)
+            else:
+                runs[high_priority] = functools.partial(BroadcastReceiver(group, plan, device).sync, loader)
         raw = torch.empty(plan.capacity, dtype=torch.uint8, device=device)
 
         def nccl_only():  # the same bytes in the same chunks, no packing, loading or checks
             for bucket in plan.buckets:
-                dist.broadcast(raw[:bucket.nbytes], group_src=0, group=group)
+                dist.broadcast(raw[:bucket.nbytes], group_src=0, group=groups[False])
 
+        commands_to_runs = {"sync": runs[True], "sync-normal-priority": runs[False], "nccl": nccl_only}
         while (command := commands.get()) != "stop":
             _synchronize()
             start = time.perf_counter()
-            (sync if command == "sync" else nccl_only)()
+            commands_to_runs[command]()
             _synchronize()
             results.put((rank, time.perf_counter() - start))
     except Exception:  # noqa: BLE001 - reported to the benchmark, which raises it
@@ -805,15 +812,12 @@ def _broadcast_rank(rank, world, port, specs, tied, commands, results):
 
 @pytest.fixture(scope="module", params=BROADCAST_SIZES)
 def broadcast_group(request):
-    """One process per visible GPU, joined in one weight-update group, kept for both modes of a shape."""
-    import socket
-
+    """One process per visible GPU, joined in two weight-update groups (NCCL stream at high and at normal
+    priority), kept for every mode of a shape."""
     world = torch.cuda.device_count()
     size = request.param
     specs, tied = qwen3_specs(size)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port_pair()
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
@@ -831,8 +835,8 @@ def broadcast_group(request):
             raise RuntimeError(f"a rank failed:\n{failed[0]}")
         return max(answers)
 
-    one_round("nccl")  # warm-up: NCCL communicator setup
-    one_round("sync")  # warm-up: buffers, kernels
+    for command in ("nccl", "sync", "sync-normal-priority"):  # warm-up: communicators, buffers, kernels
+        one_round(command)
     yield size, _plan(specs, tied, BROADCAST_BUCKET_MIB), world, one_round
     for queue in commands:
         queue.put("stop")
@@ -840,22 +844,43 @@ def broadcast_group(request):
         proc.join(TIMEOUT_S)
 
 
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 both free on 127.0.0.1 (one rendezvous per weight-update group)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+BROADCAST_MODES = {"nccl broadcast of the same bytes (reference)": "nccl",
+                   "redline broadcast sync": "sync",
+                   "redline broadcast sync, NCCL stream at normal priority": "sync-normal-priority"}
+
+
 @pytest.mark.multigpu
-@pytest.mark.parametrize("mode", ["nccl broadcast of the same bytes (reference)", "redline broadcast sync"])
+@pytest.mark.parametrize("mode", BROADCAST_MODES)
 def test_disaggregated_broadcast(benchmark, broadcast_group, mode):
     size, plan, world, one_round = broadcast_group
-    command = "sync" if mode.startswith("redline") else "nccl"
+    command = BROADCAST_MODES[mode]
     seconds = []
     benchmark.pedantic(lambda: seconds.append(one_round(command)), rounds=ROUNDS, iterations=1)
     benchmark.group = f"disaggregated Qwen3-{size} ({plan.nbytes / 1e9:.2f} GB) to {world - 1} GPUs"
     info = dict(provider=mode, baseline=command == "nccl", gpus=world,
                 gbps=plan.nbytes / statistics.median(seconds) / 1e9, **_info(plan, BROADCAST_BUCKET_MIB))
-    if command == "sync":
+    if command != "nccl":
         # the reference measured by the same processes, alternating with redline rounds
         nccl, ours = [], []
         for _ in range(ROUNDS):
             nccl.append(one_round("nccl"))
-            ours.append(one_round("sync"))
+            ours.append(one_round(command))
         info.update(nccl_alternating_s=statistics.median(nccl), redline_alternating_s=statistics.median(ours),
                     fraction_of_nccl_bandwidth=statistics.median(nccl) / statistics.median(ours))
         print(f"\n{benchmark.group}: redline {statistics.median(ours) * 1e3:.1f} ms vs NCCL "

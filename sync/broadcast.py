@@ -55,12 +55,16 @@ def rank_offsets(engine_gpus: list[int]) -> tuple[list[int], int]:
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str, backend: str = "nccl",
-                             timeout: timedelta = DEFAULT_GROUP_TIMEOUT) -> dist.ProcessGroup:
+                             timeout: timedelta = DEFAULT_GROUP_TIMEOUT,
+                             high_priority: bool = True) -> dist.ProcessGroup:
     """Join the weight-update group exactly as SGLang's ``init_weights_update_group`` does on the engine side.
 
     The trainer calls it with ``rank=0``; redline's own engine processes with their ``rank_offset + tp_rank``.
     Works without a default process group. The private c10d helper is what SGLang itself calls; using the
     public ``new_group`` would build the store keys differently and never meet SGLang's side.
+    ``high_priority`` (NCCL only; a local setting, the other members need not match): this process's NCCL
+    stream gets the device's highest priority, so a transfer that becomes ready while a bucket's pack or load
+    kernel (thousands of CTAs) is queued gets SMs first instead of waiting for that kernel to drain.
     """
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
@@ -70,8 +74,12 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
                                               timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
+    options = None
+    if backend == "nccl" and high_priority:
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                         timeout=timeout)
+                                         backend_options=options, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
