@@ -306,7 +306,10 @@ class EmbeddedEngine:
                 self._decode_forward(self._graph_ids, self._graph_positions)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # our own stream: torch.cuda.graph's default is one stream per process, made on the device that was
+        # current at the first capture, and entering it switches to that device (a second engine on another
+        # GPU in the same process would capture nothing and launch on the wrong GPU)
+        with torch.cuda.graph(graph, stream=stream):
             self._graph_logits = self._decode_forward(self._graph_ids, self._graph_positions)
         self._graph = graph
 

@@ -228,7 +228,7 @@ def dp_worker(rank, config):
     input_ids, cu_seqlens = halves[rank]
     next_token_loss(model.logits(input_ids, cu_seqlens), input_ids).backward()
     finalize_grads(model, model.parallel_state)
-    optimizer = zero1_adamw(model, model.parallel_state, lr=1e-2)
+    optimizer = zero1_adamw(model.parameters(), model.parallel_state, lr=1e-2)
     optimizer.step()
     assert type(optimizer).__name__ == "ZeroRedundancyOptimizer"
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):

@@ -31,7 +31,8 @@ class ParallelConfig:
         world = dist.get_world_size()
         if self.tp * self.pp * self.dp != world:
             raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} != world size {world}")
-        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        # the backend's device, not whether a GPU exists: gloo ranks on a GPU machine hold CPU tensors
+        device_type = device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
         mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         return ParallelState(self, mesh)
 

@@ -68,9 +68,10 @@ def clip_grad_norm(model: nn.Module, state: ParallelState, max_norm: float) -> t
     return norm
 
 
-def zero1_adamw(model: nn.Module, state: ParallelState, **adamw_options) -> torch.optim.Optimizer:
-    """AdamW whose states are sharded over the DP group (ZeRO-1), via ``ZeroRedundancyOptimizer``."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def zero1_adamw(params, state: ParallelState, **adamw_options) -> torch.optim.Optimizer:
+    """AdamW over ``params`` (those requiring grad) whose states are sharded over the DP group (ZeRO-1), via
+    ``ZeroRedundancyOptimizer``; plain AdamW when dp = 1."""
+    params = [p for p in params if p.requires_grad]
     if state.config.dp == 1:
         return torch.optim.AdamW(params, **adamw_options)
     # imported here: torch.distributed.optim TorchScript-compiles its functional optimizers on import
