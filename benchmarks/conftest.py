@@ -26,6 +26,33 @@ RATIO_ROWS = []
 
 
 
+def make_cublas_workspaces() -> None:
+    """Run tiny bf16 GEMMs forward (this thread) and backward (autograd's device thread), with bf16 and fp32
+    outputs. cuBLAS/cuBLASLt allocate a workspace per thread and stream at their first GEMM there and keep it
+    for the process: made before any measurement, it is charged to no provider's peak memory."""
+
+    class _Fp32OutputMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a)
+            return torch.mm(a, a, out_dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (a,) = ctx.saved_tensors
+            return torch.mm(grad.to(a.dtype), a, out_dtype=torch.float32).to(a.dtype)
+
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ((a @ a).float().sum() + _Fp32OutputMatmul.apply(a).sum()).backward()
+    torch.cuda.synchronize()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cublas_workspaces():
+    if torch.cuda.is_available():
+        make_cublas_workspaces()
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["redline_env"] = collect()
 
