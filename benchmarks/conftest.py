@@ -19,36 +19,16 @@ import pytest
 import torch
 
 from redline.env_report import collect, device_snapshot
+from redline.gpu_memory import make_cublas_workspaces
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmark helper modules next to this file
 
 RATIO_ROWS = []
 
 
-
-def make_cublas_workspaces() -> None:
-    """Run tiny bf16 GEMMs forward (this thread) and backward (autograd's device thread), with bf16 and fp32
-    outputs. cuBLAS/cuBLASLt allocate a workspace per thread and stream at their first GEMM there and keep it
-    for the process: made before any measurement, it is charged to no provider's peak memory."""
-
-    class _Fp32OutputMatmul(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a):
-            ctx.save_for_backward(a)
-            return torch.mm(a, a, out_dtype=torch.float32)
-
-        @staticmethod
-        def backward(ctx, grad):
-            (a,) = ctx.saved_tensors
-            return torch.mm(grad.to(a.dtype), a, out_dtype=torch.float32).to(a.dtype)
-
-    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ((a @ a).float().sum() + _Fp32OutputMatmul.apply(a).sum()).backward()
-    torch.cuda.synchronize()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _cublas_workspaces():
+    """cuBLAS's one-time per-thread workspaces, made before any benchmark measures memory."""
     if torch.cuda.is_available():
         make_cublas_workspaces()
 

@@ -4,10 +4,11 @@
 
 Runs two child processes (the libraries' one-time allocations are per process): ``cold`` runs the op first
 thing, ``warm`` first runs a few tiny plain-PyTorch GEMMs on the main thread and on autograd's backward thread
-(what ``benchmarks/conftest.py`` does before any benchmark). Each child does three fwd+bwd calls with per-token
-upstream gradients of logp and entropy and reports, per call, the peak allocated beyond what was allocated
-before it, minus the two gradients; and what the first call left allocated after its outputs and gradients
-were freed (one-time allocations: cuBLAS keeps a workspace per thread and stream), with those blocks' sizes.
+(``redline.gpu_memory.make_cublas_workspaces``, which ``benchmarks/conftest.py`` runs before any benchmark).
+Each child does three fwd+bwd calls with per-token upstream gradients of logp and entropy and reports, per
+call, the forward's peak allocated beyond what was allocated before it, less the two ``[T]`` outputs, and the
+backward's, less the two gradients; and what the calls left allocated after their outputs and gradients were
+freed (one-time allocations: cuBLAS keeps a workspace per thread and stream), with the largest live blocks.
 """
 
 import argparse
@@ -25,7 +26,7 @@ def child(warm: bool) -> dict:
     from redline.kernels import fused_linear_logprobs
 
     if warm:
-        from conftest import make_cublas_workspaces
+        from redline.gpu_memory import make_cublas_workspaces
 
         make_cublas_workspaces()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -42,16 +43,21 @@ def child(warm: bool) -> dict:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         logp, entropy = fused_linear_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True)
+        torch.cuda.synchronize()
+        forward = torch.cuda.max_memory_allocated() - base - 2 * T * 4  # beyond the two [T] fp32 outputs
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         torch.autograd.backward([logp, entropy], [g_logp, g_entropy])
         torch.cuda.synchronize()
-        calls.append((torch.cuda.max_memory_allocated() - base - grads) / MiB)
+        calls.append(dict(forward_mib=forward / MiB,
+                          backward_mib=(torch.cuda.max_memory_allocated() - base - grads) / MiB))
         del logp, entropy
     hidden.grad = weight.grad = None
     torch.cuda.synchronize()
     left = torch.cuda.memory_allocated() - start
     blocks = sorted((b["size"] / MiB for seg in torch.cuda.memory_snapshot() for b in seg["blocks"]
                      if b["state"] == "active_allocated"), reverse=True)
-    return dict(mode="warm" if warm else "cold", peak_beyond_grads_mib_per_call=calls,
+    return dict(mode="warm" if warm else "cold", peak_beyond_outputs_and_grads_per_call=calls,
                 left_allocated_after_first_calls_mib=left / MiB, largest_live_blocks_mib=blocks[:8],
                 device=torch.cuda.get_device_name(), torch=torch.__version__)
 

@@ -3,8 +3,9 @@
 Forward (``forward_stats``), per ``[token chunk, vocab chunk]`` block of at most ``workspace_bytes``:
 cuBLAS writes the block's logits ``h W_vᵀ`` with fp32 accumulation *and fp32 output* (never rounded to bf16),
 then ``_stats_kernel`` folds each row of the block into softmax statistics (``vocab_stats``: max, Σexp,
-Σexp·(z − max), target logit) with the temperature applied in fp32. Only ``[R, vocab chunks]`` partials
-leave the kernel; ``vocab_stats.combine`` merges them. The full ``[T, V]`` logits never exist.
+Σexp·(z − max), target logit) with the temperature applied in fp32. Only the token chunk's ``[t, vocab chunks]``
+partials leave the kernel; ``vocab_stats.combine`` merges them per token chunk. The full ``[T, V]`` logits
+never exist.
 
 Backward (``backward``), same blocking: cuBLAS recomputes the fp32 logits block, ``_dlogits_kernel`` turns it
 into ``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` in the input dtype, then cuBLAS does
@@ -143,7 +144,8 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     """Softmax statistics (``vocab_stats.RowStats``, ``[R]`` fp32) of the selected rows over ``weight``'s vocab.
 
     hidden ``[T, H]``, weight ``[V, H]`` (same dtype, contiguous), targets ``[T]`` int64 global ids, rows
-    ``[R]`` int64 indices of the rows to compute or ``None`` for all rows. Extra memory ≤ workspace_bytes.
+    ``[R]`` int64 indices of the rows to compute or ``None`` for all rows. Extra memory, the ``[5, R]`` result
+    included: ≤ workspace_bytes (``lm_head_plan.forward_plan``).
     """
     n_rows = hidden.shape[0] if rows is None else rows.numel()
     vocab, width = weight.shape
@@ -152,13 +154,16 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     token_chunk, vocab_chunk = forward_plan(n_rows, vocab, width, rows is not None, hidden.element_size(),
                                             workspace_bytes, ALIGN)
     pieces = triton.cdiv(vocab, vocab_chunk)
-    parts = torch.empty((5, n_rows, pieces), dtype=torch.float32, device=hidden.device)
+    stats = torch.empty((5, n_rows), dtype=torch.float32, device=hidden.device)
+    parts = torch.empty((5, token_chunk, pieces), dtype=torch.float32, device=hidden.device)  # one chunk's
     logits = torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
     for t0 in range(0, n_rows, token_chunk):
         tc = min(token_chunk, n_rows - t0)
         chunk_stats(_rows_of(hidden, rows, t0, t0 + tc), weight, _rows_of(targets, rows, t0, t0 + tc) - vocab_offset,
-                    vocab_chunk, lambda v0, vc: _block(logits, tc, vc), parts, t0, inv_temp)
-    return combine(RowStats(*parts))
+                    vocab_chunk, lambda v0, vc: _block(logits, tc, vc), parts, 0, inv_temp)
+        for merged, chunk in zip(stats, combine(RowStats(*parts[:, :tc]))):
+            merged[t0:t0 + tc] = chunk
+    return RowStats(*stats)
 
 
 def chunk_stats(h, weight, target, vocab_chunk: int, block_of, parts, row0: int, inv_temp: float) -> None:

@@ -39,30 +39,58 @@ def round_down(x: int, k: int) -> int:
     return max(k, x // k * k)
 
 
-def forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
-    """(token chunk, vocab chunk): fp32 logits block + gathered hidden rows within ``budget`` bytes.
+# Per token and vocab piece of a forward token chunk: its [5, t, pieces] fp32 partial statistics and the
+# temporaries ``vocab_stats.combine`` makes while merging them (six [t, pieces] fp32 at most).
+PIECE_BYTES = 4 * 11
+# Per selected row, held through the call besides the workspace: the forward's [5, R] fp32 merged statistics,
+# the backward's saved lse, and with a row mask the gathered [R] fp32 inputs and the row index.
+ROW_BYTES = 20
+GATHERED_ROW_BYTES = 24
+TARGET_BYTES = 8  # per token of a chunk: its int64 target ids, shifted to the vocab shard
 
-    As many tokens as leave room for a vocab chunk of 16·align columns (4096 on the GPU): long vocab chunks
-    keep the GEMMs large and the weight is streamed once per token chunk.
+
+def row_bytes(n_rows: int, gather: bool) -> int:
+    """Bytes of per-row state (``ROW_BYTES``, ``GATHERED_ROW_BYTES``): what a plan's budget leaves free so
+    that the whole call stays within it."""
+    return n_rows * (ROW_BYTES + (GATHERED_ROW_BYTES if gather else 0))
+
+
+def _pieces(vocab: int, vocab_chunk: int) -> int:
+    return -(-vocab // vocab_chunk)
+
+
+def forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
+    """(token chunk, vocab chunk): fp32 logits block, the chunk's partial statistics (``PIECE_BYTES``) and
+    gathered hidden rows within ``budget`` bytes less the per-row state (``row_bytes``).
+
+    As many tokens as leave room for a vocab chunk of 8·align columns (2048 on the GPU), then the longest
+    vocab chunk that fits: long vocab chunks keep the GEMMs large and the weight is streamed once per token
+    chunk.
     """
-    per_token = 4 * 16 * align + (itemsize * width if gather else 0)
+    budget = max(0, budget - row_bytes(n_rows, gather))
+    hidden_row = itemsize * width if gather else 0
+    per_token = 4 * 8 * align + PIECE_BYTES * _pieces(vocab, 8 * align) + hidden_row + TARGET_BYTES
     token_chunk = min(n_rows, round_down(budget // per_token, align))
-    spare = budget - (token_chunk * itemsize * width if gather else 0)
-    return token_chunk, min(vocab, round_down(spare // (4 * token_chunk), align))
+    spare = max(0, budget - token_chunk * (hidden_row + TARGET_BYTES))
+    vocab_chunk = min(vocab, round_down(spare // (4 * token_chunk), align))
+    while vocab_chunk > align and token_chunk * (4 * vocab_chunk + PIECE_BYTES * _pieces(vocab, vocab_chunk)) > spare:
+        vocab_chunk -= align
+    return token_chunk, vocab_chunk
 
 
 def backward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
-    """(token chunk, vocab chunk) for the two-pass backward within ``budget`` bytes.
+    """(token chunk, vocab chunk) for the two-pass backward within ``budget`` bytes, the per-row state
+    (``row_bytes``) included.
 
     Per token of a chunk: the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row; at most
-    a quarter of the budget. Per logit of a block: fp32 logits (4 B) + dz in the input dtype. The split
-    trades the dh accumulator's read-modify-write per vocab chunk (T·H·8·V/vocab_chunk bytes) against dW's
-    per token chunk (T/token_chunk·V·H·4 bytes); a quarter is near the minimum of the sum at H=4096,
-    V=151936 (18.6 GB of traffic at T=16384 against 33 GB with half).
+    a quarter of the budget. Per logit of a block: fp32 logits (4 B) + dz in the input dtype, in what is left
+    after the per-row state. The split trades the dh accumulator's read-modify-write per vocab chunk
+    (T·H·8·V/vocab_chunk bytes) against dW's per token chunk (T/token_chunk·V·H·4 bytes); a quarter is near
+    the minimum of the sum at H=4096, V=151936 (18.6 GB of traffic at T=16384 against 33 GB with half).
     """
     per_token = width * (4 + (itemsize if gather else 0))
     token_chunk = min(n_rows, round_down((budget // 4) // per_token, align))
-    spare = budget - token_chunk * per_token
+    spare = max(0, budget - row_bytes(n_rows, gather) - token_chunk * (per_token + TARGET_BYTES))
     return token_chunk, min(vocab, round_down(spare // ((4 + itemsize) * token_chunk), align))
 
 

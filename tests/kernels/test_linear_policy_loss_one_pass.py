@@ -127,7 +127,7 @@ def no_chunk_cost(monkeypatch):
 
 
 # the model's choice at each workspace is pinned by the next test
-@pytest.mark.parametrize("workspace,expected", [(4000, "two passes"), (60000, "one pass")])
+@pytest.mark.parametrize("workspace,expected", [(8000, "two passes"), (60000, "one pass")])
 def test_path_follows_the_cost_model(monkeypatch, no_chunk_cost, workspace, expected):
     cfg = make_config("ppo", "k2", None, "token-mean")
     assert _path_taken(monkeypatch, make_inputs(), cfg, workspace_bytes=workspace) == expected
@@ -136,9 +136,9 @@ def test_path_follows_the_cost_model(monkeypatch, no_chunk_cost, workspace, expe
 def test_cost_model_picks_each_path_at_one_of_the_two_workspaces(no_chunk_cost):
     # the pair of workspaces above puts the test shape on both sides of the model's threshold
     rows = int(make_inputs()["mask"].sum())
-    assert [lm_head_plan.choose_one_pass(rows, V, H, True, 4, w, 1) for w in (4000, 60000)] == [False, True]
+    assert [lm_head_plan.choose_one_pass(rows, V, H, True, 4, w, 1) for w in (8000, 60000)] == [False, True]
     assert [lm_head_plan.one_pass_seconds(rows, V, H, True, 4, w, 1) < lm_head_plan.two_pass_seconds(
-        rows, V, H, True, 4, w, 1) for w in (4000, 60000)] == [False, True]  # the choice is the cheaper path
+        rows, V, H, True, 4, w, 1) for w in (8000, 60000)] == [False, True]  # the choice is the cheaper path
 
 
 def test_gspo_runs_two_passes_even_where_one_pass_would_be_cheaper(monkeypatch, no_chunk_cost):
