@@ -728,8 +728,6 @@ def sglang_receiver(benchmark, sglang_server):
         floor = statistics.median(post([("model.norm.weight", tensors["model.norm.weight"])], "1")[1]
                                   for _ in range(10))
         loop.run_until_complete(client.end_weight_update())
-        _, got = loop.run_until_complete(client.request("POST", "/get_weights_by_name",
-                                                        {"name": "model.norm.weight", "truncate_size": 64}))
         total = benchmark.stats.stats.median
         ours, server_side = statistics.median(times["ours"]), statistics.median(times["server"])
         load_only = server_side - len(plan.buckets) * floor
@@ -742,6 +740,10 @@ def sglang_receiver(benchmark, sglang_server):
         print(f"\n{benchmark.group}: total {total * 1e3:.1f} ms; ours {ours * 1e3:.1f} ms; server round trips "
               f"{server_side * 1e3:.1f} ms ({server_side / total:.0%}); control floor {floor * 1e3:.2f} ms/bucket; "
               f"SGLang load beyond control {load_only / total:.0%}")
+        # checked after the timings are recorded: SGLang 0.5.17's /get_weights_by_name answered HTTP 400 for
+        # this name on the H100 (2026-11-22), which must fail the benchmark without losing its numbers
+        _, got = loop.run_until_complete(client.request("POST", "/get_weights_by_name",
+                                                        {"name": "model.norm.weight", "truncate_size": 64}))
         sent = tensors["model.norm.weight"][:64].float().cpu()
         assert torch.equal(torch.tensor(got, dtype=torch.float32).flatten()[:64], sent), \
             f"SGLang's model.norm.weight is not the sent one: {str(got)[:200]}"
