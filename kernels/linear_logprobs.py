@@ -194,8 +194,9 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     vocab shard ``[V/tp, H]``, rank r holding ids ``r·V/tp …``); targets ``[T]`` int64 global token ids;
     mask ``[T]`` bool — False rows cost no GEMM work and return logp 0, entropy 0, zero gradient.
     Differentiable w.r.t. hidden and weight for any per-token upstream gradients of logp and entropy.
-    A target outside the vocabulary yields logp NaN. Memory beyond inputs, outputs and gradients: ``[T]``
-    fp32 statistics plus a backward workspace of at most 256 MiB (independent of T).
+    A target outside the vocabulary yields logp NaN. Memory beyond inputs, outputs and gradients: at most
+    256 MiB in the forward and in the backward, the per-row state (a few fp32 per token) included; the
+    chunking adapts so that this holds at any T while a token's row fits.
     """
     check_inputs(hidden, weight, targets, mask, temperature)
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
