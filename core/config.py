@@ -31,8 +31,10 @@ class ParallelConfig:
     rollout_num_gpus: int = option(1, "--no-colocate: GPUs for the rollout engines, one embedded engine process "
                                    "each (cuda:1 ...; the trainer takes cuda:0); on a CPU machine, engine "
                                    "processes on the CPU")
-    distributed_timeout_minutes: float = option(10.0, "--no-colocate: how long the weight-update group's setup, "
-                                                "each broadcast sync and its checks may wait before failing")
+    distributed_timeout_minutes: float = option(10.0, "how long a collective may wait before failing: under "
+                                                "torchrun, a rank waiting for the others (their rollouts "
+                                                "included); with --no-colocate, the weight-update group's "
+                                                "setup, each broadcast sync and its checks")
 
 
 @dataclass

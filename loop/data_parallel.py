@@ -87,21 +87,23 @@ class DataParallel:
         return {k: v / totals[-1] for k, v in zip(keys, totals[:-1])}
 
     def from_main(self, make):
-        """``make()`` run on rank 0 only, its result (picklable) handed to every rank; a ``ValueError`` it raises
-        (``ConfigError`` included) is raised on every rank, so no rank waits for a result that never comes."""
+        """``make()`` run on rank 0 only, its result (picklable) handed to every rank. Whatever it raises is
+        raised on rank 0 and reported on every other rank (``ValueError`` for a ``ValueError``, ``ConfigError``
+        included; ``RuntimeError`` otherwise), so no rank waits for a result that never comes."""
         if self.world == 1:
             return make()
         box, error = [None, None], None
         if self.is_main:
             try:
                 box[0] = make()
-            except ValueError as exc:
-                error, box[1] = exc, f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+                error, box[1] = exc, (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}")
         dist.broadcast_object_list(box, src=0, device=self.device)
         if error is not None:
             raise error
         if box[1] is not None:
-            raise ValueError(f"on rank 0: {box[1]}")
+            is_value_error, message = box[1]
+            raise (ValueError if is_value_error else RuntimeError)(f"on rank 0: {message}")
         return box[0]
 
     def barrier(self) -> None:

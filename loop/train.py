@@ -16,7 +16,7 @@ from redline.loop.critic import CriticWorker
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel, init_data_parallel
 from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.step import RunState, rl_step
-from redline.loop.validate import loss_config, validate
+from redline.loop.validate import check_distributed_timeout, loss_config, validate
 from redline.loop.worker import TrainerWorker
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -149,6 +149,7 @@ def restore(state: RunState, folder: Path) -> int:
 def run(config, config_path=None) -> int:
     """One process, or every rank of a ``torchrun`` launch (data parallelism): rank 0 picks the output folder,
     builds the built-in data/model and writes every file; each rank trains and rolls out its shard."""
+    check_distributed_timeout(config)
     dp = init_data_parallel(config.parallel.distributed_timeout_minutes)
     console = Console(quiet=not dp.is_main)
     try:

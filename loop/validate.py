@@ -158,6 +158,13 @@ def check_data_parallel(config, world_size: int) -> None:
                               f"multiple of {world_size}")
 
 
+def check_distributed_timeout(config) -> None:
+    """Checked before the process group exists (``train.run``) as well as with the rest of the placement."""
+    if config.parallel.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got "
+                          f"{config.parallel.distributed_timeout_minutes}")
+
+
 def check_placement(config, world_size: int = 1) -> None:
     """The trainer without TP/PP: one process, or ``world_size`` data-parallel ranks under ``torchrun``, each
     with its colocated engine; or (one process) with ``--no-colocate`` engines in their own processes on other
@@ -166,6 +173,7 @@ def check_placement(config, world_size: int = 1) -> None:
 
     from redline.loop.rollout_setup import resolve_engine
 
+    check_distributed_timeout(config)
     p = config.parallel
     if p.tensor_model_parallel_size != 1 or p.pipeline_model_parallel_size != 1 or p.sequence_parallel:
         raise ConfigError("--tensor-model-parallel-size / --pipeline-model-parallel-size / --sequence-parallel: "
@@ -186,8 +194,6 @@ def check_placement(config, world_size: int = 1) -> None:
                           "--no-colocate the engines have their own GPUs: drop one of the two flags")
     if p.rollout_num_gpus < 1:
         raise ConfigError(f"--rollout-num-gpus must be >= 1 with --no-colocate, got {p.rollout_num_gpus}")
-    if p.distributed_timeout_minutes <= 0:
-        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {p.distributed_timeout_minutes}")
     if torch.cuda.is_available():
         needed, visible = 1 + p.rollout_num_gpus, torch.cuda.device_count()
         if visible < needed:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from redline.configfile import ConfigError, apply_overrides
-from redline.loop.validate import check_data_parallel
+from redline.loop.validate import check_data_parallel, check_placement
 
 from .test_train import small_config
 
@@ -114,6 +114,35 @@ def test_data_parallel_config_errors_name_the_flag(tmp_path):
         check_data_parallel(apply_overrides(config, {"rollout_batch_size": "3", "global_batch_size": "6"}), 2)
     with pytest.raises(ConfigError, match="--no-colocate runs in one launcher process"):
         check_data_parallel(apply_overrides(config, {"colocate": "false"}), 2)
+
+
+def test_distributed_timeout_is_checked_for_data_parallel_runs_too(tmp_path):
+    config = apply_overrides(small_config(tmp_path), {"distributed_timeout_minutes": "0"})
+    with pytest.raises(ConfigError, match="--distributed-timeout-minutes must be > 0"):
+        check_placement(config, 2)
+
+
+def test_from_main_reports_any_rank0_error_on_every_rank(monkeypatch):
+    """Rank 0's error, whatever its type, reaches the other ranks through the broadcast instead of leaving them
+    waiting; the broadcast is replaced by a recorder (rank 0) and a replay of what it sent (rank 1)."""
+    import torch.distributed as dist
+
+    from redline.loop.data_parallel import DataParallel
+
+    def make():
+        raise PermissionError("cannot create the output folder")
+
+    sent = []
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, device: sent.append(list(box)))
+    with pytest.raises(PermissionError, match="cannot create the output folder"):
+        DataParallel(rank=0, world=2).from_main(make)
+
+    def receive(box, src, device):
+        box[:] = sent[0]
+
+    monkeypatch.setattr(dist, "broadcast_object_list", receive)
+    with pytest.raises(RuntimeError, match="^on rank 0: PermissionError: cannot create the output folder$"):
+        DataParallel(rank=1, world=2).from_main(make)
 
 
 def test_global_batch_ids_take_each_ranks_slice_of_the_pool():
