@@ -51,6 +51,7 @@ import traceback
 import pytest
 import torch
 
+from redline.ports import free_port
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import bucket_checksum, new_accumulator
 from redline.sync.plan import BucketLayout, MiB, TensorSpec, WeightPlan, plan_buckets
@@ -768,7 +769,7 @@ BROADCAST_SIZES = ["1.7B", "8B"]
 BROADCAST_BUCKET_MIB = 512
 
 
-def _broadcast_rank(rank, world, port, specs, tied, commands, results):
+def _broadcast_rank(rank, world, ports, specs, tied, commands, results):
     """One GPU of the weight-update group: rank 0 is the trainer, the others engine GPUs owning the weights.
     Sender / receiver objects live for all rounds (their buffers are allocated once)."""
     import torch.distributed as dist
@@ -786,8 +787,8 @@ def _broadcast_rank(rank, world, port, specs, tied, commands, results):
         loader = None if rank == 0 else TargetLoader({s.name: torch.empty(s.shape, dtype=s.dtype, device=device)
                                                       for s in specs})
         groups, runs = {}, {}
-        for high_priority, port_offset in ((True, 0), (False, 1)):  # the default, and NCCL at normal priority
-            group = init_weight_update_group("127.0.0.1", port + port_offset, rank, world,
+        for high_priority, port in zip((True, False), ports):  # the default, and NCCL at normal priority
+            group = init_weight_update_group("127.0.0.1", port, rank, world,
                                              f"redline-bench-pp0-{high_priority}",
                                              backend="nccl" if on_gpu else "gloo", high_priority=high_priority)
             groups[high_priority] = group
@@ -819,11 +820,11 @@ def broadcast_group(request):
     world = torch.cuda.device_count()
     size = request.param
     specs, tied = qwen3_specs(size)
-    port = _free_port_pair()
+    ports = (free_port(), free_port())  # one rendezvous per weight-update group
     ctx = mp.get_context("spawn")
     commands = [ctx.Queue() for _ in range(world)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, world, port, specs, tied, commands[r], results),
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, world, ports, specs, tied, commands[r], results),
                          daemon=True) for r in range(world)]
     for proc in procs:
         proc.start()
@@ -844,22 +845,6 @@ def broadcast_group(request):
         queue.put("stop")
     for proc in procs:
         proc.join(TIMEOUT_S)
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 both free on 127.0.0.1 (one rendezvous per weight-update group)."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 BROADCAST_MODES = {"nccl broadcast of the same bytes (reference)": "nccl",

@@ -13,7 +13,7 @@ from torch import nn
 
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
-from redline.loop.schedule import build_optimizer, build_scheduler, load_optimizer_state, optimizer_state
+from redline.loop.schedule import build_optimizer, build_scheduler, optimizer_state
 from redline.loop.worker import _forward_hidden
 
 
@@ -77,5 +77,5 @@ class CriticWorker:
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

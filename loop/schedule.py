@@ -30,22 +30,6 @@ def optimizer_state(optimizer, dp: DataParallel = SINGLE_PROCESS) -> dict | None
     return optimizer.state_dict() if dp.is_main else None
 
 
-def load_optimizer_state(optimizer, state: dict) -> None:
-    """Load what ``optimizer_state`` returned (every rank passes the whole state; ZeRO-1 keeps its share).
-
-    ``ZeroRedundancyOptimizer.load_state_dict`` moves every 0-dim state (AdamW's ``step``) to the CPU, and fused
-    AdamW then refuses to step ("state_steps is on cpu"): those go back to their parameter's device.
-    """
-    optimizer.load_state_dict(state)
-    local = getattr(optimizer, "optim", None)  # ZeRO-1's optimizer over this rank's share
-    if local is None or not local.defaults.get("fused"):
-        return
-    for param, param_state in local.state.items():
-        for key, value in param_state.items():
-            if torch.is_tensor(value) and value.dim() == 0 and value.device != param.device:
-                param_state[key] = value.to(param.device)
-
-
 def lr_factor(step: int, warmup: int, total: int, style: str, min_ratio: float) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup then constant or cosine."""
     if warmup and step < warmup:

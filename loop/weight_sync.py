@@ -18,11 +18,11 @@ receive and load them, and ends with the group's checksum comparison (a mismatch
 
 import asyncio
 import contextlib
-import socket
 from datetime import timedelta
 
 import torch
 
+from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 
 
@@ -83,7 +83,7 @@ class BroadcastWeightSync:
         """Build the weight-update group: this process as rank 0, the engines at the same time as 1..N."""
         from redline.sync.broadcast import BroadcastSender, init_weight_update_group, stage_group_name
 
-        address, port, world = "127.0.0.1", _free_port(), 1 + len(self.engines)
+        address, port, world = "127.0.0.1", free_port(), 1 + len(self.engines)
         name = f"{stage_group_name(0)}-{port}"  # unique in this process, also when an earlier run left its group
 
         def join():
@@ -142,8 +142,3 @@ class BroadcastWeightSync:
     def _on_device(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

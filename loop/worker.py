@@ -13,7 +13,7 @@ from redline.loop.batching import MicroBatch
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
 from redline.loop.reference import ReferencePolicy
-from redline.loop.schedule import build_optimizer, build_scheduler, load_optimizer_state, optimizer_state
+from redline.loop.schedule import build_optimizer, build_scheduler, optimizer_state
 from redline.trainer.padding import token_multiple
 
 
@@ -126,6 +126,6 @@ class TrainerWorker:
                 "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.bad_steps = state["bad_steps"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from redline.extras import require
+from redline.ports import free_port
 
 OWNED_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--enable-memory-saver"}
 
@@ -33,12 +33,6 @@ def passthrough_args(args: list[str]) -> list[str]:
             raise ValueError(f"sglang argument '{arg}' is set by redline itself; remove it from sglang_args")
         out.append(arg)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until_healthy(url: str, process: subprocess.Popen | None, timeout: float, log: Path | None) -> None:

@@ -5,13 +5,13 @@ weight: the same logp/entropy/loss everywhere, the full d_hidden on every rank, 
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from redline.ports import free_port
 from redline.kernels import LossConfig, fused_linear_logprobs, fused_linear_policy_loss
 
 T, H, V = 23, 16, 90  # V/2 = 45 columns per rank
@@ -66,12 +66,6 @@ def worker(rank, port, backend, result_dir):
         torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["torch", "triton"])

@@ -1,7 +1,6 @@
 """Disaggregated broadcast over a gloo weight-update group built the SGLang way (PrefixStore), on CPU."""
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -9,16 +8,11 @@ import broadcast_procs
 import sync_procs
 from sync_export import qwen3_export
 
+from redline.ports import free_port
 from redline.sync.broadcast import rank_offsets, stage_group_name
 
 CTX = mp.get_context("fork")  # CPU-only ranks; fork skips re-importing torch
 TIMEOUT_S = 120
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_group(world_size, syncs, targets, corrupt_rank=-1):

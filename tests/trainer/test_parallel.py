@@ -230,7 +230,9 @@ def dp_worker(rank, config):
     finalize_grads(model, model.parallel_state)
     optimizer = zero1_adamw(model.parameters(), model.parallel_state, lr=1e-2)
     optimizer.step()
-    assert type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    assert isinstance(optimizer, ZeroRedundancyOptimizer)
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 

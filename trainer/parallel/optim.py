@@ -1,5 +1,7 @@
 """Gradient finalisation, clipping and the ZeRO-1 optimizer for a parallelised model."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -74,8 +76,26 @@ def zero1_adamw(params, state: ParallelState, **adamw_options) -> torch.optim.Op
     params = [p for p in params if p.requires_grad]
     if state.config.dp == 1:
         return torch.optim.AdamW(params, **adamw_options)
-    # imported here: torch.distributed.optim TorchScript-compiles its functional optimizers on import
+    return _zero1_class()(params, optimizer_class=torch.optim.AdamW, process_group=state.dp_group, **adamw_options)
+
+
+@functools.cache
+def _zero1_class():
+    # made on first use: torch.distributed.optim TorchScript-compiles its functional optimizers on import
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=state.dp_group,
-                                   **adamw_options)
+    class Zero1AdamW(ZeroRedundancyOptimizer):
+        """``ZeroRedundancyOptimizer`` whose ``load_state_dict`` leaves a fused AdamW able to step: the base class
+        moves every 0-dim state (AdamW's ``step``) to the CPU, and fused AdamW then refuses to step ("state_steps
+        is on cpu"); they go back to their parameter's device."""
+
+        def load_state_dict(self, state_dict) -> None:
+            super().load_state_dict(state_dict)
+            if not self.optim.defaults.get("fused"):
+                return
+            for param, param_state in self.optim.state.items():
+                for key, value in param_state.items():
+                    if torch.is_tensor(value) and value.dim() == 0 and value.device != param.device:
+                        param_state[key] = value.to(param.device)
+
+    return Zero1AdamW
