@@ -195,8 +195,9 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     mask ``[T]`` bool — False rows cost no GEMM work and return logp 0, entropy 0, zero gradient.
     Differentiable w.r.t. hidden and weight for any per-token upstream gradients of logp and entropy.
     A target outside the vocabulary yields logp NaN. Memory beyond inputs, outputs and gradients: at most
-    256 MiB in the forward and in the backward, the per-row state (a few fp32 per token) included; the
-    chunking adapts so that this holds at any T while a token's row fits.
+    256 MiB in the forward and in the backward, the per-row state (20–44 bytes per token) included, as long as
+    that state leaves room for one chunk (T up to a few million tokens at 256 MiB); beyond, the smallest chunks
+    run and the state comes on top.
     """
     check_inputs(hidden, weight, targets, mask, temperature)
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()

@@ -119,33 +119,17 @@ def _path_taken(monkeypatch, inputs, cfg, **options) -> str:
     return taken[0]
 
 
-@pytest.fixture
-def no_chunk_cost(monkeypatch):
-    """The model without its fixed per-chunk cost (fitted to H100 launch overheads, it would dominate at these
-    tiny shapes): the tests below check the decision logic on both sides of the byte/FLOP threshold."""
-    monkeypatch.setattr(lm_head_plan, "ONE_PASS_CHUNK_SECONDS", 0.0)
-
-
-# the model's choice at each workspace is pinned by the next test
-@pytest.mark.parametrize("workspace,expected", [(8000, "two passes"), (60000, "one pass")])
-def test_path_follows_the_cost_model(monkeypatch, no_chunk_cost, workspace, expected):
+@pytest.mark.parametrize("model_says", [True, False])
+def test_unforced_call_takes_the_path_the_cost_model_picks(monkeypatch, model_says):
+    monkeypatch.setattr(linear_policy_loss, "choose_one_pass", lambda *shape: model_says)
     cfg = make_config("ppo", "k2", None, "token-mean")
-    assert _path_taken(monkeypatch, make_inputs(), cfg, workspace_bytes=workspace) == expected
+    assert _path_taken(monkeypatch, make_inputs(), cfg) == ("one pass" if model_says else "two passes")
 
 
-def test_cost_model_picks_each_path_at_one_of_the_two_workspaces(no_chunk_cost):
-    # the pair of workspaces above puts the test shape on both sides of the model's threshold
-    rows = int(make_inputs()["mask"].sum())
-    assert [lm_head_plan.choose_one_pass(rows, V, H, True, 4, w, 1) for w in (8000, 60000)] == [False, True]
-    assert [lm_head_plan.one_pass_seconds(rows, V, H, True, 4, w, 1) < lm_head_plan.two_pass_seconds(
-        rows, V, H, True, 4, w, 1) for w in (8000, 60000)] == [False, True]  # the choice is the cheaper path
-
-
-def test_gspo_runs_two_passes_even_where_one_pass_would_be_cheaper(monkeypatch, no_chunk_cost):
-    inputs = make_inputs()
-    assert lm_head_plan.choose_one_pass(int(inputs["mask"].sum()), V, H, True, 4, 60000, 1)
+def test_gspo_runs_two_passes_even_where_the_cost_model_prefers_one(monkeypatch):
+    monkeypatch.setattr(linear_policy_loss, "choose_one_pass", lambda *shape: True)
     cfg = LossConfig(estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4, kl_type="k1", kl_coef=0.02)
-    assert _path_taken(monkeypatch, inputs, cfg, workspace_bytes=60000) == "two passes"
+    assert _path_taken(monkeypatch, make_inputs(), cfg) == "two passes"
 
 
 def test_one_pass_forced_for_gspo_raises_value_error():
@@ -188,7 +172,9 @@ def test_cost_model_picks_the_path_measured_faster(tokens, mib):
     assert lm_head_plan.choose_one_pass(*shape, mib * 2**20, 256) == (one < two)
 
 
-def test_cost_model_reproduces_the_measured_one_pass_times():
+def test_cost_model_fit_reproduces_the_two_one_pass_times_it_was_fitted_to():
+    # ONE_PASS_CHUNK_SECONDS was fitted to these two (T=16384) points; at T=4096 the model is off by up to 25 %,
+    # which still picks the faster path there (test_cost_model_picks_the_path_measured_faster)
     for (tokens, mib), (one, _) in MEASURED_PATHS.items():
         if tokens == 16384:
             modelled = lm_head_plan.one_pass_seconds(tokens, *H100_SHAPE[1:], mib * 2**20, 256)
