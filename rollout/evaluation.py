@@ -37,9 +37,11 @@ async def evaluate(engine, tokenizer, eval_set: EvalSet, reward: Reward, generat
     """Metrics ``eval/<name>/reward_mean`` and ``eval/<name>/pass@k`` over every prompt of the set, or with
     ``shard=(rank, world)`` over prompts ``rank, rank + world, ...`` only (0 for an empty shard): weighted by
     their prompt counts, the shards' metrics average to the whole set's."""
+    rank, world = shard
+    if not 0 <= rank < world:
+        raise ValueError(f"evaluate: shard=(rank, world) needs 0 <= rank < world, got {shard}")
     reward = eval_set.reward or reward
     n = eval_set.n_samples_per_prompt
-    rank, world = shard
 
     async def run_prompt(number: int, prompt: Sample) -> list[float]:
         # index: a stable id per (prompt, draw), so a seeding generate_fn draws the same way at every evaluation

@@ -13,6 +13,7 @@ rollouts).
 from __future__ import annotations
 
 import contextlib
+import functools
 from datetime import timedelta
 
 import torch
@@ -33,17 +34,23 @@ class BroadcastWeights:
         with _on(self.device):
             self.group = init_weight_update_group(master_address, master_port, rank, world_size, group_name,
                                                   backend=backend, timeout=timedelta(seconds=timeout_s))
-            self.receiver = BroadcastReceiver(self.group, plan, self.device)
+            try:
+                self.receiver = BroadcastReceiver(self.group, plan, self.device)
+            except BaseException:
+                self.close()
+                raise
 
     def receive(self, version: str) -> None:
+        # no host wait per bucket: the next receive into a buffer is stream-ordered after that buffer's load
         with _on(self.device):
-            self.receiver.sync(self.engine.load_weights)
+            self.receiver.sync(functools.partial(self.engine.load_weights, wait=False))
         self.engine.weight_version = str(version)
 
     def close(self) -> None:
         import torch.distributed as dist
 
-        dist.destroy_process_group(self.group)
+        with _on(self.device):
+            dist.destroy_process_group(self.group)
 
 
 _members: dict[int, BroadcastWeights] = {}  # id(engine) -> its membership (one engine per process in practice)

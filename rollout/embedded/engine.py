@@ -105,12 +105,13 @@ class EmbeddedEngine:
             await asyncio.to_thread(self._on_device, self.load_weights, bucket)
         self.weight_version = str(version)
 
-    def load_weights(self, named_tensors) -> None:
-        """Copy HF-named tensors into the model (fused QKV / gate-up slices included); blocks until copied."""
+    def load_weights(self, named_tensors, wait: bool = True) -> None:
+        """Copy HF-named tensors into the model (fused QKV / gate-up slices included); blocks until copied
+        unless ``wait`` is False (``WeightLoader.load``)."""
         if "weights" in self._released:
             raise EngineMemoryReleased("resume_memory({'weights'}) before loading weights")
         with self._lock:
-            self.weights.load(named_tensors)
+            self.weights.load(named_tensors, wait)
 
     async def release_memory(self, tags) -> None:
         tags = check_tags(tags)

@@ -26,9 +26,11 @@ class WeightLoader:
         self._storages: list[tuple[torch.UntypedStorage, int]] = []
 
     @torch.no_grad()
-    def load(self, named_tensors) -> None:
+    def load(self, named_tensors, wait: bool = True) -> None:
         """Copy each ``(hf_name, tensor)`` into place (any device / dtype; cast on copy). Unknown names or
-        shapes raise before anything of the offending tensor is written."""
+        shapes raise before anything of the offending tensor is written. ``wait``: return only once the copies
+        have landed (a CUDA-IPC sender reuses its buffers when we return); a receiver whose later work is
+        stream-ordered after the copies (the broadcast path) passes False."""
         for name, value in named_tensors:
             if name == _TIED_ALIAS and self.tied:
                 continue
@@ -40,8 +42,7 @@ class WeightLoader:
                 raise ValueError(f"load_weights: '{name}' has shape {tuple(value.shape)}, the model expects "
                                  f"{tuple(target.shape)}")
             target.copy_(value)
-        if self.model.embed_tokens.weight.is_cuda:
-            # The sender may reuse its buffers once we return (CUDA IPC): the copies must have landed.
+        if wait and self.model.embed_tokens.weight.is_cuda:
             torch.cuda.synchronize(self.model.embed_tokens.weight.device)
 
     def release(self) -> None:

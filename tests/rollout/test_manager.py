@@ -160,3 +160,10 @@ def test_evaluate_reports_mean_reward_and_pass_at_k(model_dir, dataset):
     assert metrics["eval/toy/reward_mean"] == pytest.approx(sum(correct) / 32)
     for k in (1, 2, 4):
         assert metrics[f"eval/toy/pass@{k}"] == pytest.approx(sum(pass_at_k(4, c, k) for c in correct) / 8)
+
+
+@pytest.mark.parametrize("shard", [(0, 0), (2, 2), (-1, 2)])
+def test_evaluate_rejects_a_shard_outside_its_world(dataset, shard):
+    eval_set = EvalSet("toy", dataset, SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"shard=\(rank, world\) needs 0 <= rank < world"):
+        asyncio.run(evaluate(None, None, eval_set, Reward(lambda samples: [0.0] * len(samples)), shard=shard))

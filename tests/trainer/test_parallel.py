@@ -271,3 +271,33 @@ def test_te_tensor_parallel_matches_single_gpu_bf16(config_of, tmp_path, sequenc
     config = config_of("qwen3")
     config.hidden_size, config.intermediate_size, config.head_dim = 128, 256, 32
     run_on_ranks(te_tp_worker, tmp_path, config, sequence_parallel, nccl=True)
+
+
+def test_average_over_dp_reduces_dtype_homogeneous_buckets_within_the_limit(monkeypatch):
+    """In-process: the all-reduce is replaced by "the other rank has g + 1" (SUM = 2g + 1), so every gradient
+    must come back as g + 0.5, and each collective must carry one dtype and at most the bucket limit (a tensor
+    larger than the limit alone)."""
+    from types import SimpleNamespace
+
+    from redline.trainer.parallel import optim
+
+    monkeypatch.setattr(optim, "DP_BUCKET_BYTES", 64)
+    reduced = []
+
+    def all_reduce(flat, group):
+        reduced.append((flat.dtype, flat.numel() * flat.element_size()))
+        flat.mul_(2).add_(1)
+
+    monkeypatch.setattr(optim.dist, "all_reduce", all_reduce)
+    shapes = [(4,), (8,), (3, 2), (40,), (5,), (2,)]
+    params = []
+    for i, shape in enumerate(shapes):
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float32 if i % 2 else torch.bfloat16))
+        p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(shape)
+        params.append(p)
+    expected = [p.grad.float() + 0.5 for p in params]
+    optim.average_over_dp(params, SimpleNamespace(dp_group=None, config=SimpleNamespace(dp=2)))
+    for p, want in zip(params, expected):
+        torch.testing.assert_close(p.grad.float(), want)
+    # bf16 8 + 12 + 10 bytes fit one bucket; fp32 32, then 160 (over the limit: alone), then 8 (after it)
+    assert reduced == [(torch.bfloat16, 30), (torch.float32, 32), (torch.float32, 160), (torch.float32, 8)]

@@ -33,13 +33,24 @@ def finalize_grads(model: nn.Module, state: ParallelState) -> None:
             dist.all_reduce(zeros, group=state.pp_group)
 
 
+DP_BUCKET_BYTES = 256 * 2**20
+
+
 def average_over_dp(params: list[nn.Parameter], state: ParallelState) -> None:
-    """Average the gradients over the DP group: one all-reduce per dtype on a flat copy (SUM then divide, which
-    gloo supports too), instead of one collective per tensor."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Average the gradients over the DP group: one all-reduce per bucket of at most ``DP_BUCKET_BYTES`` of
+    one dtype (a tensor larger than that is its own bucket) on a flat copy, SUM then divide (gloo has no AVG),
+    instead of one collective per tensor; the copies never exceed one bucket."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, list] = {}  # dtype -> [its bucket being filled, that bucket's bytes]
     for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
+        size = p.grad.numel() * p.grad.element_size()
+        entry = open_bucket.get(p.grad.dtype)
+        if entry is None or entry[1] + size > DP_BUCKET_BYTES:
+            entry = open_bucket[p.grad.dtype] = [[], 0]
+            buckets.append(entry[0])
+        entry[0].append(p.grad)
+        entry[1] += size
+    for grads in buckets:
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=state.dp_group)
         flat.div_(state.config.dp)
