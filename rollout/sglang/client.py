@@ -120,6 +120,11 @@ class SGLangClient:
             "serialized_named_tensors": list(per_rank), "load_format": load_format, "flush_cache": False,
             "weight_version": version})
 
+    async def weight_checksums(self) -> dict:
+        """``/weights_checker`` ``checksum``: ``{"ranks": [{"checksums": {name: hash}, ...}], ...}``."""
+        _, answer = await self.request("POST", "/weights_checker", {"action": "checksum"})
+        return answer
+
     async def flush_cache(self) -> None:
         for _ in range(FLUSH_RETRIES):
             status, _ = await self.request("POST", "/flush_cache", ok=(200, 400))

@@ -19,6 +19,7 @@ from redline.rollout.engine import (
 from redline.rollout.sglang.client import SGLangClient
 from redline.rollout.sglang.payload import serialize_bucket
 from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_servers
+from redline.rollout.sglang.weight_check import compare_checksums, expected_checksums
 from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
 
 SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
@@ -103,6 +104,16 @@ class SGLangEngine:
             torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
         await self._all("end_weight_update")
         self.weight_version = str(version)
+
+    async def verify_weights(self, named_tensors, hash_fn=None) -> None:
+        """Raise ``WeightsMismatch`` unless every server holds exactly ``named_tensors`` (HF names, the tensors
+        last sent), compared through SGLang's ``/weights_checker`` hashes (``weight_check``). TP = 1 servers."""
+        if self.tp_size != 1:
+            raise ValueError(f"verify_weights compares whole tensors; the servers have tp_size={self.tp_size}")
+        expected = expected_checksums(named_tensors, hash_fn)
+        answers = await asyncio.gather(*(w.weight_checksums() for w in self.workers))
+        for worker, answer in zip(self.workers, answers):
+            compare_checksums(expected, answer, worker.url)
 
     async def release_memory(self, tags) -> None:
         await self._all("release_memory", [t for tag in sorted(check_tags(tags)) for t in SGLANG_TAGS[tag]])

@@ -1,6 +1,7 @@
 """One RL step against SGLangEngine attached by URL to the stand-in server: the step generates through
 /generate and pushes the plan's buckets through /update_weights_from_tensor, inside the two-stage memory
-sequence. The CUDA-IPC serialization (which needs SGLang and a GPU) is replaced by a recorder."""
+sequence, then checks the server's parameter hashes. The CUDA-IPC serialization (which needs SGLang and a GPU)
+is replaced by a recorder, which also makes the stand-in report the hashes of what it was sent."""
 
 import pytest
 from rich.console import Console
@@ -13,9 +14,12 @@ from redline.loop.step import rl_step  # noqa: E402
 from redline.loop.train import build  # noqa: E402
 from redline.rollout.engine import SerializedBucket  # noqa: E402
 from redline.rollout.sglang import engine as sglang_engine  # noqa: E402
+from redline.rollout.sglang import weight_check  # noqa: E402
+from redline.rollout.sglang.weight_check import expected_checksums  # noqa: E402
 from redline.sync.plan import plan_for  # noqa: E402
 
 from tests.rollout.fake_sglang import FakeSGLang  # noqa: E402
+from tests.rollout.test_sglang_weight_check import byte_hash  # noqa: E402
 
 from .test_train import small_config  # noqa: E402
 
@@ -25,13 +29,16 @@ BUCKET_BYTES = 128 * 1024
 @pytest.mark.parametrize("version,session", [("0.5.17", False), ("0.5.23", True)])
 def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, session):
     serialized = []
+    server = FakeSGLang(version=version, busy_flushes=0)
 
     def fake_serialize(named_tensors, tp_size=1):
         serialized.append([name for name, _ in named_tensors])
+        server.checksums.update(expected_checksums(named_tensors, byte_hash))  # "loaded" what was sent
         return SerializedBucket(per_rank=(f"bucket-{len(serialized) - 1}",) * tp_size)
 
     monkeypatch.setattr(sglang_engine, "serialize_bucket", fake_serialize)
-    with FakeSGLang(version=version, busy_flushes=0) as server:
+    monkeypatch.setattr(weight_check, "sglang_tensor_hash", lambda: byte_hash)
+    with server:
         config = small_config(tmp_path, sft_steps="0", rollout_engine="sglang", sglang_server_urls=server.url,
                               offload_rollout="true", update_weight_buffer_size=str(BUCKET_BYTES))
         config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
@@ -50,7 +57,7 @@ def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, se
     if session:  # >= 0.5.21 takes updates only inside a begin/end session
         updates = ["/begin_weight_update", *updates, "/end_weight_update"]
     assert paths[samples:] == ["/release_memory_occupation", "/resume_memory_occupation", *updates,
-                               "/flush_cache", "/resume_memory_occupation"]
+                               "/flush_cache", "/weights_checker", "/resume_memory_occupation"]
     tags = [body["tags"] for path, body in server.calls if "memory_occupation" in path]
     assert tags == [["kv_cache", "cuda_graph", "weights"], ["weights"], ["kv_cache", "cuda_graph"]]
     sent = [body for path, body in server.calls if path == "/update_weights_from_tensor"]

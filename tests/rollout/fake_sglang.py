@@ -17,6 +17,7 @@ class FakeSGLang:
         self.calls: list[tuple[str, dict | None]] = []
         self.session_open = False
         self.weight_version = "default"
+        self.checksums: dict[str, str] = {}  # what /weights_checker reports (set by the test)
         self.lock = threading.Lock()
         server = self
 
@@ -80,6 +81,8 @@ class FakeSGLang:
                 self.busy_flushes -= 1
                 return 400, "requests running"
             return 200, "Cache flushed"
+        if path == "/weights_checker":
+            return 200, {"success": True, "message": "", "ranks": [{"checksums": self.checksums}]}
         if path in ("/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
                     "/continue_generation"):
             return 200, None

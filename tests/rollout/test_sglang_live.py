@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import torch
 from redline.rollout.model_dir import make_model_dir
+from redline.rollout.sglang.weight_check import WeightsMismatch
 from redline.rollout.types import FinishReason, GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.slow]
@@ -78,8 +79,11 @@ def test_weight_update_changes_output_and_restoring_brings_it_back(engine, loop,
     flipped = [("lm_head.weight", torch.flip(weights["lm_head.weight"], dims=[0]).contiguous())]
     loop.run_until_complete(engine.update_weights([flipped], version="flipped"))
     changed = greedy(loop, engine)
+    with pytest.raises(WeightsMismatch, match=r"1 parameter\(s\) differ.*lm_head\.weight"):
+        loop.run_until_complete(engine.verify_weights(weights.items()))
     loop.run_until_complete(engine.update_weights([[("lm_head.weight", weights["lm_head.weight"])]], version="back"))
     restored = greedy(loop, engine)
+    loop.run_until_complete(engine.verify_weights(weights.items()))  # every parameter, fused ones included
     assert changed.output_ids != before.output_ids and changed.weight_version == "flipped"
     assert restored.output_ids == before.output_ids and restored.weight_version == "back"
 

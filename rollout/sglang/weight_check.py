@@ -1,0 +1,76 @@
+"""Checking what an SGLang server holds against the tensors sent to it (``POST /weights_checker``).
+
+The server hashes each of its parameters with SGLang's ``tensor_hash`` (a hash of the bytes) and answers
+``{"ranks": [{"checksums": {name: "%016x"}, ...}], ...}``. The same function over the same bytes here gives
+the expected values. SGLang's parameters are HF tensors fused along dim 0 (q/k/v into ``qkv_proj``, gate/up
+into ``gate_up_proj``), so the expected tensors are the sent ones fused the same way. Engine TP = 1 only (with
+TP each rank holds shards that SGLang's loader cuts). ``/weights_checker`` exists from SGLang 0.5.17 on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+# SGLang's fused parameter -> the HF modules concatenated into it (dim 0, in this order)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_PART_OF = {part: (fused, index) for fused, parts in FUSED.items() for index, part in enumerate(parts)}
+
+Hash = Callable[[torch.Tensor], int]
+
+
+class WeightsMismatch(RuntimeError):
+    """The server's parameters are not the tensors that were sent."""
+
+
+def sglang_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> SGLang's parameter names and layout (fused parts concatenated). A fused parameter
+    missing one of its parts raises ValueError naming it."""
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in named:
+        parts = name.rsplit(".", 2)  # prefix, module, "weight" / "bias"
+        if len(parts) == 3 and parts[1] in _PART_OF:
+            fused, index = _PART_OF[parts[1]]
+            pieces.setdefault(f"{parts[0]}.{fused}.{parts[2]}", {})[index] = tensor
+        else:
+            out[name] = tensor
+    for name, parts in pieces.items():
+        fused = name.rsplit(".", 2)[1]
+        if len(parts) != len(FUSED[fused]):
+            missing = [FUSED[fused][i] for i in range(len(FUSED[fused])) if i not in parts]
+            raise ValueError(f"{name}: the sent tensors lack its part(s) {missing}")
+        out[name] = torch.cat([parts[i] for i in range(len(parts))], dim=0)
+    return out
+
+
+def sglang_tensor_hash() -> Hash:
+    """SGLang's own hash (needs SGLang importable in this process)."""
+    try:
+        from sglang.srt.managers.mm_utils import tensor_hash
+    except ImportError as error:
+        raise ImportError("checking an SGLang server's weights needs SGLang importable in the trainer process "
+                          f"(pip install 'redline[sglang]'): {error}") from error
+    return tensor_hash
+
+
+def expected_checksums(named: Iterable[tuple[str, torch.Tensor]], hash_fn: Hash | None = None) -> dict[str, str]:
+    """``{SGLang parameter name: "%016x" hash}`` of the sent tensors as the server should hold them."""
+    hash_fn = hash_fn or sglang_tensor_hash()
+    return {name: f"{hash_fn(t.contiguous()):016x}" for name, t in sglang_parameters(named).items()}
+
+
+def compare_checksums(expected: dict[str, str], answer: dict, url: str) -> None:
+    """Raise WeightsMismatch unless every rank of ``answer`` (the ``/weights_checker`` body) reports every
+    expected parameter with the expected hash; the server's other tensors (buffers) are not ours to check."""
+    ranks = answer.get("ranks") if isinstance(answer, dict) else None
+    if not ranks:
+        raise WeightsMismatch(f"{url}/weights_checker answered no per-rank checksums: {str(answer)[:300]}")
+    for rank, info in enumerate(ranks):
+        reported = info.get("checksums", {})
+        missing = sorted(set(expected) - set(reported))
+        wrong = sorted(n for n in expected if n in reported and reported[n] != expected[n])
+        if missing or wrong:
+            raise WeightsMismatch(f"{url} rank {rank}: {len(wrong)} parameter(s) differ from what was sent "
+                                  f"{wrong[:5]}, {len(missing)} not reported {missing[:5]}")

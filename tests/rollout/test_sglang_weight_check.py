@@ -1,0 +1,87 @@
+"""Checking an SGLang server's weights: HF tensors fused into SGLang's layout, hashed, compared with what
+``/weights_checker`` reports (a stand-in server here; the live check runs in test_sglang_live.py)."""
+
+import hashlib
+
+import pytest
+import torch
+
+pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
+
+from redline.rollout.sglang.engine import SGLangEngine
+from redline.rollout.sglang.weight_check import (
+    WeightsMismatch,
+    expected_checksums,
+    sglang_parameters,
+)
+
+from .engine_runner import run
+from .fake_sglang import FakeSGLang
+
+
+def byte_hash(t: torch.Tensor) -> int:
+    return int.from_bytes(hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).digest()[:8], "big")
+
+
+def layer_tensors():
+    g = torch.Generator().manual_seed(0)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    named = [(f"model.layers.0.self_attn.{n}.weight", torch.randn(4 if n in ("q_proj", "o_proj") else 2, 4,
+                                                                   generator=g)) for n in names]
+    named += [(f"model.layers.0.self_attn.{n}.bias", torch.randn(2, generator=g)) for n in ("k_proj", "q_proj",
+                                                                                           "v_proj")]
+    named += [(f"model.layers.0.mlp.{n}.weight", torch.randn(6, 4, generator=g)) for n in ("up_proj", "gate_proj")]
+    named += [("model.norm.weight", torch.randn(4, generator=g))]
+    return named
+
+
+def test_parts_are_fused_in_sglang_order_whatever_order_they_arrive_in():
+    named = dict(layer_tensors())
+    params = sglang_parameters(named.items())
+    prefix = "model.layers.0."
+    assert set(params) == {prefix + "self_attn.qkv_proj.weight", prefix + "self_attn.qkv_proj.bias",
+                           prefix + "self_attn.o_proj.weight", prefix + "mlp.gate_up_proj.weight",
+                           "model.norm.weight"}
+    attn = prefix + "self_attn."
+    assert torch.equal(params[attn + "qkv_proj.weight"], torch.cat([named[attn + f"{n}.weight"]
+                                                                    for n in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(params[attn + "qkv_proj.bias"], torch.cat([named[attn + f"{n}.bias"]
+                                                                  for n in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(params[prefix + "mlp.gate_up_proj.weight"],
+                       torch.cat([named[prefix + "mlp.gate_proj.weight"], named[prefix + "mlp.up_proj.weight"]]))
+    assert params["model.norm.weight"] is named["model.norm.weight"]
+
+
+def test_a_fused_parameter_missing_a_part_is_named():
+    named = [(n, t) for n, t in layer_tensors() if n != "model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"mlp\.gate_up_proj\.weight.*'up_proj'"):
+        sglang_parameters(named)
+
+
+def verify(server, named):
+    return run(SGLangEngine([server.url]), lambda e: e.verify_weights(named, hash_fn=byte_hash))
+
+
+def test_verify_passes_when_the_server_reports_the_sent_tensors_and_ignores_its_buffers():
+    named = layer_tensors()
+    with FakeSGLang() as server:
+        server.checksums = {**expected_checksums(named, byte_hash), "model.rotary_emb.cos_sin_cache": "00"}
+        verify(server, named)
+    assert server.paths() == ["/weights_checker"]
+
+
+def test_verify_names_a_parameter_that_differs_or_is_missing():
+    named = layer_tensors()
+    expected = expected_checksums(named, byte_hash)
+    with FakeSGLang() as server:
+        server.checksums = {**expected, "model.layers.0.self_attn.qkv_proj.weight": "0" * 16}
+        with pytest.raises(WeightsMismatch, match=r"1 parameter\(s\) differ.*qkv_proj\.weight.*0 not reported"):
+            verify(server, named)
+        server.checksums = {n: h for n, h in expected.items() if n != "model.norm.weight"}
+        with pytest.raises(WeightsMismatch, match=r"0 parameter\(s\) differ.*1 not reported \['model\.norm"):
+            verify(server, named)
+
+
+def test_verify_refuses_tensor_parallel_servers():
+    with FakeSGLang() as server, pytest.raises(ValueError, match="tp_size=2"):
+        run(SGLangEngine([server.url], tp_size=2), lambda e: e.verify_weights(layer_tensors()))
