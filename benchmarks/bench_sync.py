@@ -744,8 +744,10 @@ def sglang_receiver(benchmark, sglang_server):
               f"SGLang load beyond control {load_only / total:.0%}")
         # checked after the timings are recorded, so a mismatch fails the benchmark without losing its numbers
         # (SGLang's /get_weights_by_name does not serve Qwen models; /weights_checker hashes every parameter)
+        start = time.perf_counter()
         compare_checksums(expected_checksums(tensors.items()), loop.run_until_complete(client.weight_checksums()),
                           server.url)
+        benchmark.extra_info["weights_check_s"] = time.perf_counter() - start  # what WeightSync adds per push
     finally:
         loop.run_until_complete(client.close())
         loop.close()
