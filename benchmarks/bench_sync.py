@@ -430,6 +430,7 @@ def _assert_engine_has(engine, trainer):
 
 # -- colocated transition with the embedded engine in its own process ----------------------------------------
 TRANSITION_SIZES = ["8B"]
+ENGINE_ALLOCATORS = ["default", "expandable"]
 TRANSITION_BUCKET_MIB = {"zero-copy": 2048, "pipelined": 512}
 GEN_BATCH, GEN_PROMPT, GEN_NEW = 8, 32, 16
 TRANSITION_ROUNDS = 3
@@ -440,10 +441,15 @@ def _name_checksums(named_tensors) -> dict[str, list[int]]:
             for n, t in named_tensors}
 
 
-def _embedded_engine_process(sync_conn, control_conn, size):
+def _embedded_engine_process(sync_conn, control_conn, size, allocator):
     """The embedded engine with random weights of a Qwen3 shape; a thread serves the redline sync protocol into
-    its parameters (their HF slices), the main loop answers the colocated step's engine calls."""
+    its parameters (their HF slices; released weights are allocated bucket by bucket as they arrive), the main
+    loop answers the colocated step's engine calls. ``allocator``: PyTorch's caching allocator as configured
+    by default (release = cudaFree, resume = cudaMalloc) or with ``expandable_segments`` (pages unmapped and
+    mapped through the driver's virtual memory calls)."""
     try:
+        if allocator == "expandable":
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         from redline.rollout.embedded.engine import EmbeddedEngine
         from redline.sync.receiver import TargetLoader, receive_forever
         from redline.trainer.models import from_config
@@ -453,7 +459,8 @@ def _embedded_engine_process(sync_conn, control_conn, size):
                                 eos_token_ids=())
         targets = {name: tensor.narrow(0, offset, rows)
                    for name, (tensor, offset, rows) in engine.weights.slices.items()}
-        threading.Thread(target=receive_forever, args=(sync_conn, make_transport(TRANSPORT), TargetLoader(targets)),
+        loader = TargetLoader(targets, prepare=engine.weights.resume)
+        threading.Thread(target=receive_forever, args=(sync_conn, make_transport(TRANSPORT), loader),
                          daemon=True).start()
     except Exception:  # noqa: BLE001 - reported to the benchmark, which raises it
         control_conn.send(("error", traceback.format_exc()))
@@ -488,11 +495,12 @@ class EmbeddedEngineProcess:
     """The trainer's handle on ``_embedded_engine_process``: the ``Engine`` calls the colocated step makes, and
     a sync channel for ``WeightSender``."""
 
-    def __init__(self, size):
+    def __init__(self, size, allocator):
         ctx = mp.get_context("spawn")
         self.sync_conn, sync_child = ctx.Pipe()
         self.control, control_child = ctx.Pipe()
-        self.proc = ctx.Process(target=_embedded_engine_process, args=(sync_child, control_child, size), daemon=True)
+        self.proc = ctx.Process(target=_embedded_engine_process, args=(sync_child, control_child, size, allocator),
+                                daemon=True)
         self.proc.start()
         sync_child.close()
         control_child.close()
@@ -558,13 +566,14 @@ class TrainState:
         torch.cuda.empty_cache()
 
 
-@pytest.fixture(scope="class", params=TRANSITION_SIZES)
+@pytest.fixture(scope="class", params=[(s, a) for s in TRANSITION_SIZES for a in ENGINE_ALLOCATORS],
+                ids=[f"{s}-{a}" for s in TRANSITION_SIZES for a in ENGINE_ALLOCATORS])
 def colocated(request):
     StandIn.stop_all()  # the GPU's memory goes to the embedded engine, the trainer and its paused state
-    size = request.param
+    size, allocator = request.param
     specs, tied = qwen3_specs(size)
-    engine = EmbeddedEngineProcess(size)
-    yield size, specs, tied, engine
+    engine = EmbeddedEngineProcess(size, allocator)
+    yield size, allocator, specs, tied, engine
     engine.close()
     torch.cuda.empty_cache()
 
@@ -575,7 +584,7 @@ def colocated_transition(benchmark, colocated, mode, train_state):
     from redline.rollout.types import GenerateRequest, SamplingParams
     from redline.sync.colocate import PHASES, colocated_step
 
-    size, specs, tied, engine = colocated
+    size, allocator, specs, tied, engine = colocated
     gc.collect()
     torch.cuda.empty_cache()  # earlier tests' cached blocks would starve the engine
     bucket_mib = TRANSITION_BUCKET_MIB[mode]
@@ -624,7 +633,8 @@ def colocated_transition(benchmark, colocated, mode, train_state):
         transition = statistics.median(r.transition for r in timed)
         benchmark.group = f"colocated transition Qwen3-{size} ({plan.nbytes / 1e9:.2f} GB), embedded engine process"
         benchmark.extra_info.update(
-            provider=f"{mode} {bucket_mib} MiB, train state {train_state} ({state.nbytes / 1e9:.1f} GB)",
+            provider=f"{mode} {bucket_mib} MiB, train state {train_state} ({state.nbytes / 1e9:.1f} GB), engine "
+                     f"allocator {allocator}",
             sync_only_s=sync_alone, transition_s=transition, transition_over_sync=transition / sync_alone,
             meets_2x_target=transition <= 2 * sync_alone, first_step_phases_s=reports[0].seconds,
             paused_device_used_bytes=timed[-1].paused_device_used_bytes,

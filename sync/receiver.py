@@ -32,12 +32,16 @@ class TargetLoader:
     always raises ValueError naming the tensor. ``loaded`` collects the names written since the last
     ``reset``. ``aliases`` (``{name: source}``) are target tensors that mirror another one, e.g. a separate
     ``lm_head.weight`` of a model with tied embeddings, which the plan does not send: they are copied from
-    their source whenever it arrives (nothing is done when both names share storage).
+    their source whenever it arrives (nothing is done when both names share storage). ``prepare(names)`` runs
+    before a bucket's tensors are written: an engine whose weights were released allocates them there
+    (``WeightLoader.resume``), overlapping the copy of the previous bucket.
     """
 
     def __init__(self, targets: Mapping[str, torch.Tensor], *, strict: bool = True,
-                 aliases: Mapping[str, str] | None = None, copier: BucketCopier | None = None):
+                 aliases: Mapping[str, str] | None = None, copier: BucketCopier | None = None,
+                 prepare: Callable[[list[str]], None] | None = None):
         self.targets = targets
+        self.prepare = prepare
         self.strict = strict
         self.copier = copier or BucketCopier()
         self._resolved: dict[int, tuple] = {}  # layout index -> (layout, targets, mirrors, names, skipped)
@@ -54,6 +58,9 @@ class TargetLoader:
 
     @torch.no_grad()  # targets may be parameters (an engine's weights) or views of them
     def __call__(self, views: NamedViews) -> None:
+        views = list(views)
+        if self.prepare is not None:
+            self.prepare([name for name, _ in views])
         dsts, srcs = [], []
         for name, view in views:
             target = self._target(name, view.shape, view.dtype)
@@ -74,6 +81,8 @@ class TargetLoader:
     def load_bucket(self, flat: torch.Tensor, layout: BucketLayout, acc: torch.Tensor, row_stride: int = 1) -> None:
         """Copy bucket ``layout`` out of the flat uint8 ``flat`` into the targets and add the bucket's checksum
         (of all its bytes, loaded or skipped) to ``acc`` (``[LANES, 2]`` int64), in one pass."""
+        if self.prepare is not None:
+            self.prepare(layout.names)
         targets, mirrors = self._resolve(layout)
         self.copier.unpack(flat, layout.nbytes, layout_spans(layout), targets, acc, row_stride)
         if mirrors:

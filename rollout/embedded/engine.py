@@ -205,6 +205,7 @@ class EmbeddedEngine:
                     if self._released:
                         raise EngineMemoryReleased(f"memory released for {sorted(self._released)}; "
                                                    f"resume_memory before generating")
+                    self.weights.resume()  # storages no load claimed since resume_memory (none after a sync)
                     if admitted:
                         self._prefill(list(zip(free, admitted)))
                     if any(self._slots):
@@ -336,10 +337,12 @@ class EmbeddedEngine:
                 torch.cuda.empty_cache()
 
     def _resume(self, tags: frozenset[str]) -> None:
+        """Resuming the weights alone defers their allocation to the loads of the sync that follows (each
+        bucket's parameters as it arrives, overlapping the copies); whatever no load claimed is allocated
+        before the KV cache and before generating."""
         with self._lock:
-            if "weights" in tags and "weights" in self._released:
-                self.weights.resume()
             if "kv_cache" in tags and "kv_cache" in self._released:
+                self.weights.resume()
                 self._make_cache()
             self._released -= tags
         with self._wake:

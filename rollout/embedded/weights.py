@@ -6,6 +6,8 @@ their dim-0 slice, so a sync bucket in HF names loads without any conversion on 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from redline.trainer.models.export import hf_entries
 
@@ -23,7 +25,7 @@ class WeightLoader:
             for name, size in zip(names, parts):
                 self.slices[name] = (tensor, offset, size)
                 offset += size
-        self._storages: list[tuple[torch.UntypedStorage, int]] = []
+        self._released: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage id -> (storage, bytes)
 
     @torch.no_grad()
     def load(self, named_tensors, wait: bool = True) -> None:
@@ -31,6 +33,9 @@ class WeightLoader:
         shapes raise before anything of the offending tensor is written. ``wait``: return only once the copies
         have landed (a CUDA-IPC sender reuses its buffers when we return); a receiver whose later work is
         stream-ordered after the copies (the broadcast path) passes False."""
+        named_tensors = list(named_tensors)
+        if self._released:
+            self.resume(name for name, _ in named_tensors)
         for name, value in named_tensors:
             if name == _TIED_ALIAS and self.tied:
                 continue
@@ -46,18 +51,22 @@ class WeightLoader:
             torch.cuda.synchronize(self.model.embed_tokens.weight.device)
 
     def release(self) -> None:
-        """Free parameter memory, keeping the tensors (and their addresses' owners) for ``resume``."""
-        seen = set()
+        """Free parameter memory, keeping the tensors (and their storages) for ``resume``."""
         for param in self.model.parameters():
             storage = param.untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
-                continue
-            seen.add(storage.data_ptr())
-            self._storages.append((storage, storage.nbytes()))
-            storage.resize_(0)
+            if storage.nbytes():
+                self._released[storage._cdata] = (storage, storage.nbytes())
+                storage.resize_(0)
 
-    def resume(self) -> None:
-        """Re-allocate parameter memory (contents undefined until the next load)."""
-        for storage, nbytes in self._storages:
-            storage.resize_(nbytes)
-        self._storages.clear()
+    def resume(self, names: Iterable[str] | None = None) -> None:
+        """Re-allocate released parameter memory (contents undefined until loaded): all of it, or only the
+        storages behind the HF ``names``. ``load`` resumes what it writes, so a sync allocates bucket k+1 on the
+        host while the device still copies bucket k."""
+        if names is None:
+            keys = list(self._released)
+        else:
+            keys = {self.slices[n][0].untyped_storage()._cdata for n in names if n in self.slices}
+        for key in keys:
+            entry = self._released.pop(key, None)
+            if entry is not None:
+                entry[0].resize_(entry[1])

@@ -217,6 +217,36 @@ def test_release_then_resume_and_reload_restores_generation(model_dir):
     assert after.output_ids == before.output_ids
 
 
+def test_resumed_weights_are_allocated_by_the_loads_that_write_them(model_dir):
+    """resume_memory({"weights"}) alone allocates nothing: each bucket's load allocates its own parameters (so a
+    sync overlaps allocation with copies); what no load claimed is allocated before the KV cache."""
+    def param_bytes(engine):
+        return {n: p.untyped_storage().nbytes() for n, p in engine.model.named_parameters()}
+
+    async def scenario(engine):
+        [before] = await greedy(engine, PROMPTS[0])
+        saved = [(n, t.clone()) for n, t in _hf_named(engine)]
+        full = param_bytes(engine)
+        await engine.release_memory({"weights", "kv_cache"})
+        await engine.resume_memory({"weights"})
+        resumed = param_bytes(engine)
+        layer0 = [(n, t) for n, t in saved if n.startswith("model.layers.0.")]
+        await engine.update_weights([layer0], version="1")
+        after_layer0 = param_bytes(engine)
+        await engine.resume_memory({"kv_cache"})
+        after_cache = param_bytes(engine)
+        await engine.update_weights([saved], version="2")
+        [after] = await greedy(engine, PROMPTS[0])
+        return before, after, full, resumed, after_layer0, after_cache
+
+    before, after, full, resumed, after_layer0, after_cache = run(make_engine(model_dir), scenario)
+    assert set(resumed.values()) == {0}
+    assert {n for n, b in after_layer0.items() if b} == {n for n in full if n.startswith("layers.0.")}
+    assert after_layer0["layers.0.self_attn.qkv.weight"] == full["layers.0.self_attn.qkv.weight"]
+    assert after_cache == full
+    assert after.output_ids == before.output_ids
+
+
 def _hf_named(engine):
     for name, (tensor, offset, size) in engine.weights.slices.items():
         yield name, tensor.narrow(0, offset, size)

@@ -190,6 +190,33 @@ def test_non_strict_target_loader_skips_and_counts_unknown_names():
     assert torch.equal(targets["a"], torch.ones(2)) and loader.skipped == {"b"} and loader.loaded == {"a"}
 
 
+def test_target_loader_prepares_each_bucket_before_writing_it():
+    """An engine whose weights were released allocates each bucket's tensors in ``prepare``, just before the
+    bucket is written: the loads land in the new memory."""
+    from redline.sync.checksum import new_accumulator
+
+    export = qwen3_export(num_layers=2)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = {name: torch.zeros_like(t) for name, t in export}
+    storages = {name: t.untyped_storage() for name, t in targets.items()}
+    for storage in storages.values():
+        storage.resize_(0)
+    prepared = []
+
+    def prepare(names):
+        prepared.append(list(names))
+        for name in names:
+            storages[name].resize_(targets[name].numel() * targets[name].element_size())
+
+    loader = TargetLoader(targets, prepare=prepare)
+    acc = new_accumulator(len(plan.buckets), "cpu")
+    for bucket, flat in zip(plan.buckets[1:], flat_buckets(plan, export)[1:]):
+        loader.load_bucket(flat, bucket, acc[bucket.index])
+    loader(plan.buckets[0].views(flat_buckets(plan, export)[0]))
+    assert prepared == [b.names for b in plan.buckets[1:]] + [plan.buckets[0].names]
+    assert_targets_equal(targets, export)
+
+
 def test_target_process_owns_its_weights_and_shares_them_with_the_trainer():
     from redline.sync.receiver import target_process
 
