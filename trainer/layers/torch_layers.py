@@ -10,6 +10,10 @@ loading) and ``redline.trainer.parallel`` (sharding) rely on, whichever backend 
 
 The matrix product itself is a swappable function (``matmul``) so the native FP8 backend reuses these modules
 with its ``torch._scaled_mm`` product instead of ``F.linear``.
+
+RMSNorm and SwiGLU run fused Triton kernels on CUDA tensors (``rms_norm_triton``, ``swiglu_triton``: one
+kernel each way instead of a chain of eager elementwise ops) and the eager definitions here on other devices,
+so CPU results stay bit-identical to transformers' (the HF parity tests rely on it).
 """
 
 from collections.abc import Callable, Sequence
@@ -17,6 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from redline.extras import importable
 
 # (x [..., in], weight [out, in]) -> [..., out]
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -32,6 +38,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [..., 2I]`` holding ``gate`` then ``up`` along the last dim -> ``[..., I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """True when the fused Triton kernels serve ``x``: a CUDA tensor, with triton importable."""
+    return x.is_cuda and importable("triton")
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm``: ``rms_norm_triton`` on CUDA (same bf16 output up to a rare last-bit difference, see there),
+    the eager ``rms_norm`` itself elsewhere."""
+    if not runs_triton(x):
+        return rms_norm(x, weight, eps)
+    from redline.trainer.layers.rms_norm_triton import rms_norm_triton
+
+    return rms_norm_triton(x, weight, eps)
+
+
+def fused_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``swiglu``: ``swiglu_triton`` on CUDA (one rounding instead of two: within about an ulp, see there), the
+    eager ``swiglu`` itself elsewhere."""
+    if not runs_triton(gate_up):
+        return swiglu(gate_up)
+    from redline.trainer.layers.swiglu_triton import swiglu_triton
+
+    return swiglu_triton(gate_up)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, *, dtype=None, device=None):
         super().__init__()
@@ -39,7 +76,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return fused_rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -76,7 +113,7 @@ class NormLinear(Linear):
         self.norm_weight = nn.Parameter(torch.ones(in_features, dtype=dtype, device=device))
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.norm_weight, self.eps)
+        return fused_rms_norm(x, self.norm_weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(self.normalize(x))

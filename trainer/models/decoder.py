@@ -8,12 +8,11 @@ the cached (inference) path, ``V`` vocabulary.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from redline.trainer.layers import LayerBackend
-from redline.trainer.layers.torch_layers import RMSNorm
+from redline.trainer.layers.torch_layers import RMSNorm, fused_swiglu
 from redline.trainer.models.attention import cached_attention
 from redline.trainer.models.export import export_hf, save_pretrained
 from redline.trainer.models.kv_cache import KVCache
@@ -68,8 +67,7 @@ class MLP(nn.Module):
                                    device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.gate_up.out_parts, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(fused_swiglu(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
