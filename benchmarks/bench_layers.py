@@ -61,8 +61,9 @@ BACKENDS = {
 # Kernel-name patterns per category, tried in this order (first match wins; case-insensitive). FP8 casts are
 # redline's Triton kernels (_amax_kernel, _cast_transpose_kernel, _rowwise_cast_kernel) and TE's cast /
 # quantize / amax / scale kernels; PyTorch's dtype-converting copies (LoadWithCast) are "copy", not casts.
+# Async TP (symmetric memory) communicates by peer copies, which count as "copy", and barrier kernels ("comm").
 KERNEL_CATEGORIES = (
-    ("comm", r"nccl|all_?gather|reduce_?scatter|all_?reduce"),
+    ("comm", r"nccl|all_?gather|reduce_?scatter|all_?reduce|barrier_kernel"),
     ("attention", r"flash|fmha|sdpa|attn|attention|softmax|thd_to|bshd_to"),
     ("fp8_cast", r"cast_transpose|_cast_kernel|cast_fp8|amax|quantize|compute_scale|scale_from|fp8"),
     ("norm", r"rmsnorm|layernorm|rms_norm|layer_norm|normaliz"),
@@ -248,12 +249,15 @@ def scaling_main(argv=None):
         torchrun --nproc-per-node 2 benchmarks/bench_layers.py --pp 2 --out $OUT/scaling
 
     The baseline is measured in the same launch: first every rank times the unsharded stack alone on its own GPU
-    (the same tokens, and for PP the same micro-batches run one after another), then the parallel model; each
-    time is a median over rounds, the baseline the fastest rank's and the parallel time the slowest rank's, and
-    ``scaling_efficiency = t_single / (gpus * t_parallel)`` (1.0 = linear). Writes
-    ``OUT/scaling-<shape>-<backend>-tp<N>[-sp]-pp<M>[-m<micro-batches>].json`` and ``.md`` per backend and
-    rewrites ``OUT/scaling.md`` with every result in OUT. The pipeline bubble alone caps PP efficiency at
-    ``m / (m + pp - 1)`` for ``m`` micro-batches (8/9 = 89% at the default 8 and pp=2).
+    (the same tokens, and for PP the same micro-batches run one after another), then the parallel model, under
+    SP once per ``--tp-overlap`` setting (default: ``off`` and ``symm_mem``, i.e. without and with async TP);
+    each time is a median over rounds, the baseline the fastest rank's and the parallel time the slowest rank's,
+    and ``scaling_efficiency = t_single / (gpus * t_parallel)`` (1.0 = linear). Writes
+    ``OUT/scaling-<shape>-<backend>-tp<N>[-sp]-pp<M>[-m<micro-batches>][-<tp overlap>].json`` and ``.md`` per
+    backend and overlap (no suffix for ``off``) and rewrites ``OUT/scaling.md`` with every result in OUT. A
+    backend that cannot run an overlap (``symm_mem`` needs the ``bf16`` one) skips it, saying why. The pipeline
+    bubble alone caps PP efficiency at ``m / (m + pp - 1)`` for ``m`` micro-batches (8/9 = 89% at the default 8
+    and pp=2).
     """
     import argparse
     import json
@@ -263,6 +267,7 @@ def scaling_main(argv=None):
     import torch.distributed as dist
 
     from redline.trainer.parallel import ParallelConfig
+    from redline.trainer.parallel.async_tp import TP_OVERLAPS
 
     parser = argparse.ArgumentParser(description="TP/SP/PP scaling of the decoder stack (run under torchrun)")
     parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
@@ -271,6 +276,9 @@ def scaling_main(argv=None):
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism inside the TP group")
+    parser.add_argument("--tp-overlap", default=None,
+                        help=f"comma-separated, each one of {', '.join(TP_OVERLAPS)} (async TP under SP); "
+                             "default off,symm_mem with --sp, else off")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=TOKENS)
     parser.add_argument("--sequences", type=int, default=SEQUENCES, help="equal-length sequences (TP)")
@@ -282,6 +290,10 @@ def scaling_main(argv=None):
     for name in backends:
         if name not in BACKENDS:
             parser.error(f"--backend {name!r} is unknown; expected {', '.join(BACKENDS)}")
+    overlaps = (args.tp_overlap or ("off,symm_mem" if args.sp else "off")).split(",")
+    for name in overlaps:
+        if name not in TP_OVERLAPS:
+            parser.error(f"--tp-overlap {name!r} is unknown; expected {', '.join(TP_OVERLAPS)}")
 
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -322,40 +334,52 @@ def scaling_main(argv=None):
         impl = attention_impl(single)
         single = None  # its memory goes back before the parallel model is built
         torch.cuda.empty_cache()
-        model = build(backend=layer_backend(kind, **options),
-                      parallel=ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp))
-        step = _scaling_step(model, micro, length)
-        dist.barrier()
-        torch.cuda.reset_peak_memory_stats()
-        t_parallel = cuda_time_ms(step, rounds=args.rounds)
-        breakdown, _ = kernel_breakdown(step)
         t_single_best = reduce(t_single, dist.ReduceOp.MIN)
         t_single_worst = reduce(t_single, dist.ReduceOp.MAX)
-        t_parallel_worst = reduce(t_parallel, dist.ReduceOp.MAX)
-        peak_gib = reduce(torch.cuda.max_memory_allocated() / 2**30, dist.ReduceOp.MAX)
-        flops = layer_flops(model.spec, args.tokens, pieces, args.layers)
-        tag = (f"scaling-{args.shape}-{backend_name}-tp{args.tp}{'-sp' if args.sp else ''}-pp{args.pp}"
-               + (f"-m{pieces}" if args.pp > 1 else ""))
-        result = {
-            "shape": args.shape, "backend": backend_name, "attention": impl, "layers": args.layers,
-            "tokens": args.tokens, "sequences_or_micro_batches": pieces, "tp": args.tp, "sp": args.sp,
-            "pp": args.pp, "gpus": world, "single_gpu_ms": t_single_best, "single_gpu_ms_slowest_rank": t_single_worst,
-            "parallel_ms": t_parallel_worst, "scaling_efficiency": t_single_best / (world * t_parallel_worst),
-            "speedup": t_single_best / t_parallel_worst, "tokens_per_s": args.tokens / t_parallel_worst * 1e3,
-            "model_tflops_per_gpu": flops / world / t_parallel_worst / 1e9, "peak_memory_gib_max_rank": peak_gib,
-            "rank0_kernel_ms": {k: round(v, 3) for k, v in breakdown.items()},
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rounds": args.rounds,
-        }
-        if rank == 0:
-            print(json.dumps(result))
-            (out_dir / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
-            (out_dir / f"{tag}.md").write_text(scaling_markdown([result]))
-            (out_dir / "scaling.md").write_text(scaling_markdown(
-                [json.loads(p.read_text()) for p in sorted(out_dir.glob("scaling-*.json"))]))
-        model = step = None
-        torch.cuda.empty_cache()
+        for overlap in overlaps:
+            try:
+                model = build(backend=layer_backend(kind, **options),
+                              parallel=ParallelConfig(tp=args.tp, pp=args.pp, sp=args.sp, tp_overlap=overlap))
+            except ValueError as error:  # the same on every rank: tp_overlap this backend cannot run
+                if rank == 0:
+                    print(f"{backend_name} tp_overlap={overlap}: skipped, {error}")
+                continue
+            step = _scaling_step(model, micro, length)
+            dist.barrier()
+            torch.cuda.reset_peak_memory_stats()
+            t_parallel = cuda_time_ms(step, rounds=args.rounds)
+            breakdown, _ = kernel_breakdown(step)
+            t_parallel_worst = reduce(t_parallel, dist.ReduceOp.MAX)
+            peak_gib = reduce(torch.cuda.max_memory_allocated() / 2**30, dist.ReduceOp.MAX)
+            flops = layer_flops(model.spec, args.tokens, pieces, args.layers)
+            tag = (f"scaling-{args.shape}-{backend_name}-tp{args.tp}{'-sp' if args.sp else ''}-pp{args.pp}"
+                   + (f"-m{pieces}" if args.pp > 1 else "") + ("" if overlap == "off" else f"-{overlap}"))
+            result = {
+                "shape": args.shape, "backend": backend_name, "attention": impl, "layers": args.layers,
+                "tokens": args.tokens, "sequences_or_micro_batches": pieces, "tp": args.tp, "sp": args.sp,
+                "tp_overlap": overlap, "async_tp": _runs_async_tp(model), "pp": args.pp, "gpus": world,
+                "single_gpu_ms": t_single_best, "single_gpu_ms_slowest_rank": t_single_worst,
+                "parallel_ms": t_parallel_worst, "scaling_efficiency": t_single_best / (world * t_parallel_worst),
+                "speedup": t_single_best / t_parallel_worst, "tokens_per_s": args.tokens / t_parallel_worst * 1e3,
+                "model_tflops_per_gpu": flops / world / t_parallel_worst / 1e9, "peak_memory_gib_max_rank": peak_gib,
+                "rank0_kernel_ms": {k: round(v, 3) for k, v in breakdown.items()},
+                "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rounds": args.rounds,
+            }
+            if rank == 0:
+                print(json.dumps(result))
+                (out_dir / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+                (out_dir / f"{tag}.md").write_text(scaling_markdown([result]))
+                (out_dir / "scaling.md").write_text(scaling_markdown(
+                    [json.loads(p.read_text()) for p in sorted(out_dir.glob("scaling-*.json"))]))
+            model = step = None
+            torch.cuda.empty_cache()
     dist.destroy_process_group()
+
+
+def _runs_async_tp(model) -> bool:
+    """Whether ``model``'s TP layers run async TP (``tp_overlap`` resolved; False for TE's own layers)."""
+    return any(getattr(module, "async_tp", False) for module in model.modules())
 
 
 def _scaling_loss(hidden):
@@ -385,14 +409,15 @@ def _scaling_step(model, micro, max_seqlen):
 def scaling_markdown(results: list[dict]) -> str:
     """A markdown table of scaling results (``scaling_main``'s JSON records)."""
     lines = ["# decoder-stack scaling", "",
-             "| device | shape | backend | attention | tp | sp | pp | sequences / micro-batches | gpus | 1 GPU ms | "
-             "parallel ms | speedup | efficiency | tok/s | TFLOP/s/GPU | comm ms (rank 0) |",
-             "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-             "---: |"]
+             "| device | shape | backend | attention | tp | sp | async TP | pp | sequences / micro-batches | gpus | "
+             "1 GPU ms | parallel ms | speedup | efficiency | tok/s | TFLOP/s/GPU | comm ms (rank 0) |",
+             "| --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "---: | ---: |"]
     for r in results:
         comm = r.get("rank0_kernel_ms", {}).get("comm_ms")
         lines.append(f"| {r['device']} | {r['shape']} x{r['layers']} | {r['backend']} | {r.get('attention', '')} | "
-                     f"{r['tp']} | {'yes' if r['sp'] else 'no'} | {r['pp']} | "
+                     f"{r['tp']} | {'yes' if r['sp'] else 'no'} | {'yes' if r.get('async_tp') else 'no'} | "
+                     f"{r['pp']} | "
                      f"{r.get('sequences_or_micro_batches', '')} | {r['gpus']} | "
                      f"{r['single_gpu_ms']:.2f} | {r['parallel_ms']:.2f} | {r['speedup']:.2f} | "
                      f"{r['scaling_efficiency']:.1%} | {r['tokens_per_s']:.0f} | {r['model_tflops_per_gpu']:.0f} | "

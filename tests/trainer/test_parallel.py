@@ -1,5 +1,6 @@
-"""TP=2 (with and without SP), PP=2 (and 3) and DP=2 give the single-process loss, gradients and update; under
-PP (and TP x PP) export and save_pretrained give the whole model.
+"""TP=2 (with and without SP, and with SP's collectives fused into the GEMMs: async TP), PP=2 (and 3) and DP=2
+give the single-process loss, gradients and update; under PP (and TP x PP) export and save_pretrained give the
+whole model; the TP overlap setting picks async TP only where it can run.
 
 Each test spawns two processes (three for the 3-stage pipeline, four for TP x PP; gloo on CPU; the ``multigpu`` variants use NCCL
 on two GPUs); every rank also builds the unsharded model from the same seed and computes the single-process
@@ -16,6 +17,8 @@ import transformers
 
 from redline.trainer.models import from_config
 from redline.trainer.parallel import ParallelConfig, clip_grad_norm, finalize_grads, one_f_one_b
+from redline.trainer.parallel.async_tp import all_gather_linear, linear_reduce_scatter
+from redline.trainer.parallel.comm import gather_tokens, reduce_scatter_tokens
 from redline.trainer.parallel.pipeline import stage_layers
 
 LENGTHS = (5, 9, 2)  # 16 tokens: divisible by tp for sequence parallelism
@@ -57,10 +60,17 @@ def full_grad(param):
     return shard.gather(param.grad) if shard is not None else param.grad
 
 
-def tp_worker(rank, config, sequence_parallel):
+def tp_linears(model):
+    """The column- and row-parallel linear modules of every layer."""
+    return [m for layer in model.layers.values() for m in (layer.self_attn.qkv, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up, layer.mlp.down)]
+
+
+def tp_worker(rank, config, sequence_parallel, tp_overlap="off"):
     reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
     model = from_config(config, dtype=torch.float32, device=device(), seed=0,
-                        parallel=ParallelConfig(tp=2, sp=sequence_parallel))
+                        parallel=ParallelConfig(tp=2, sp=sequence_parallel, tp_overlap=tp_overlap))
+    assert {m.async_tp for m in tp_linears(model)} == {tp_overlap == "symm_mem"}
     input_ids, cu_seqlens = batch(config)
     expected = next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids)
     expected.backward()
@@ -92,9 +102,102 @@ def test_sequence_parallel_matches_single_process(config_of, tmp_path):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_tensor_parallel_over_nccl_matches_single_gpu(config_of, tmp_path, sequence_parallel):
-    run_on_ranks(tp_worker, tmp_path, config_of("qwen3"), sequence_parallel, nccl=True)
+@pytest.mark.parametrize(("sequence_parallel", "tp_overlap"), [(False, "off"), (True, "off"), (True, "symm_mem")],
+                         ids=["tp", "tp+sp", "tp+sp+async-tp"])
+def test_tensor_parallel_over_nccl_matches_single_gpu(config_of, tmp_path, sequence_parallel, tp_overlap):
+    run_on_ranks(tp_worker, tmp_path, config_of("qwen3"), sequence_parallel, tp_overlap, nccl=True)
+
+
+def async_tp_worker(rank, config):
+    """TP=2 + SP with async TP against the same without it: loss and every gradient, after a second step too
+    (the symmetric-memory workspace is reused), on a batch whose local token count is not a GEMM-friendly
+    size."""
+    models = {overlap: from_config(config, dtype=torch.float32, device=device(), seed=0,
+                                   parallel=ParallelConfig(tp=2, sp=True, tp_overlap=overlap))
+              for overlap in ("off", "symm_mem")}
+    assert all(m.async_tp for m in tp_linears(models["symm_mem"]))
+    for step, lengths in enumerate([LENGTHS, (7, 31)]):
+        input_ids, cu_seqlens = batch(config, lengths, seed=step)
+        losses, grads = {}, {}
+        for overlap, model in models.items():
+            model.zero_grad()
+            losses[overlap] = next_token_loss(model.logits(input_ids, cu_seqlens), input_ids)
+            losses[overlap].backward()
+            finalize_grads(model, model.parallel_state)
+            grads[overlap] = {name: full_grad(p) for name, p in model.named_parameters()}
+        torch.testing.assert_close(losses["symm_mem"], losses["off"], rtol=1e-5, atol=1e-6)
+        for name, grad in grads["off"].items():
+            torch.testing.assert_close(grads["symm_mem"][name], grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")
+
+
+@pytest.mark.multigpu
+def test_async_tensor_parallel_over_nccl_matches_unfused(config_of, tmp_path):
+    run_on_ranks(async_tp_worker, tmp_path, config_of("llama3"), nccl=True)
+
+
+def async_tp_functions_worker(rank):
+    """Async TP's autograd Functions against gather_tokens / reduce_scatter_tokens around F.linear: output and
+    both gradients. On CPU the fused ops are served by torch's own unfused definitions of them (its fallbacks),
+    so this checks the Functions' math; the NCCL tests above check the CUDA ops."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    library = torch.library.Library("symm_mem", "IMPL")
+    library.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
+    library.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
+    group = dist.group.WORLD
+    generator = torch.Generator().manual_seed(rank)
+    cases = [  # fused, unfused, shapes of x, weight, dy (per rank; 2 ranks)
+        (all_gather_linear, lambda x, w: F.linear(gather_tokens(x, group), w), (6, 8), (5, 8), (12, 5)),
+        (linear_reduce_scatter, lambda x, w: reduce_scatter_tokens(F.linear(x, w), group), (12, 4), (7, 4), (6, 7)),
+    ]
+    for fused, unfused, *shapes in cases:
+        x, weight, dy = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes)
+        results = []
+        for product in (lambda x, w, fused=fused: fused(x, w, group), unfused):
+            x_leaf, weight_leaf = x.clone().requires_grad_(), weight.clone().requires_grad_()
+            y = product(x_leaf, weight_leaf)
+            y.backward(dy)
+            results.append((y, x_leaf.grad, weight_leaf.grad))
+        torch.testing.assert_close(results[0], results[1], msg=lambda m, fused=fused: f"{fused.__name__}: {m}")
+
+
+@pytest.mark.slow
+def test_async_tp_functions_equal_the_unfused_collectives_around_linear(tmp_path):
+    symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
+    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
+        pytest.skip(f"torch {torch.__version__} has no unfused definitions of the symm_mem fused ops")
+    run_on_ranks(async_tp_functions_worker, tmp_path)
+
+
+def test_parallel_config_rejects_an_unknown_tp_overlap():
+    with pytest.raises(ValueError, match="tp_overlap='nccl' is unknown"):
+        ParallelConfig(tp=2, sp=True, tp_overlap="nccl")
+
+
+def test_parallel_config_rejects_symm_mem_without_sequence_parallelism():
+    with pytest.raises(ValueError, match="needs sequence parallelism"):
+        ParallelConfig(tp=2, tp_overlap="symm_mem")
+
+
+def tp_overlap_choice_worker(rank, config):
+    """On gloo (CPU): "auto" keeps SP's separate collectives; "symm_mem" names what is missing, for the bf16
+    backend the NCCL group on CUDA, for the native FP8 backend the F.linear matmul."""
+    from redline.trainer.layers import layer_backend
+
+    model = from_config(config, dtype=torch.float32, device=device(), seed=0, parallel=ParallelConfig(tp=2, sp=True))
+    assert not any(m.async_tp for m in tp_linears(model))
+    with pytest.raises(ValueError, match="tp_overlap='symm_mem' needs an NCCL process group on CUDA tensors"):
+        from_config(config, dtype=torch.float32, device=device(), seed=0,
+                    parallel=ParallelConfig(tp=2, sp=True, tp_overlap="symm_mem"))
+    with pytest.raises(ValueError, match="needs the bf16 layer backend .* backend 'native'"):
+        from_config(config, backend=layer_backend("native", scaling="tensorwise"), dtype=torch.float32,
+                    device=device(), seed=0, parallel=ParallelConfig(tp=2, sp=True, tp_overlap="symm_mem"))
+
+
+@pytest.mark.slow
+def test_tp_overlap_auto_is_off_and_symm_mem_is_refused_on_gloo(config_of, tmp_path):
+    run_on_ranks(tp_overlap_choice_worker, tmp_path, config_of("qwen3"))
 
 
 def pp_worker(rank, config, micro_lengths):

@@ -12,7 +12,7 @@ def parallelize(model, parallel: ParallelConfig | ParallelState):
     """Shard ``model`` for TP/SP and cut it to this rank's pipeline stage; returns the same module."""
     state = parallel.build() if isinstance(parallel, ParallelConfig) else parallel
     if state.tp > 1:
-        apply_tensor_parallel(model, state.tp_group, state.sp)
+        apply_tensor_parallel(model, state.tp_group, state.sp, state.config.tp_overlap)
     if state.pp > 1:
         split_stage(model, state)
     model.parallel_state = state

@@ -1,4 +1,5 @@
-"""``ParallelConfig(tp, pp, dp, sp)`` and the process groups it builds (``torch.distributed`` device mesh)."""
+"""``ParallelConfig(tp, pp, dp, sp, tp_overlap)`` and the process groups it builds (``torch.distributed``
+device mesh)."""
 
 from dataclasses import dataclass
 
@@ -6,16 +7,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from redline.trainer.parallel.async_tp import check_tp_overlap
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism; ``sp`` turns on sequence
-    parallelism inside the TP group. ``tp * pp * dp`` must equal the world size."""
+    parallelism inside the TP group; ``tp_overlap`` (``"auto"``, ``"off"``, ``"symm_mem"``) whether SP's
+    collectives run micro-pipelined with the GEMMs (``async_tp``; ``"auto"``: wherever they can).
+    ``tp * pp * dp`` must equal the world size."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     sp: bool = False
+    tp_overlap: str = "auto"
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -23,6 +29,7 @@ class ParallelConfig:
                 raise ValueError(f"ParallelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.sp and self.tp == 1:
             raise ValueError("ParallelConfig.sp=True needs tp > 1 (sequence parallelism splits over the TP group)")
+        check_tp_overlap(self.tp_overlap, self.sp)
 
     def build(self, device_type: str | None = None) -> "ParallelState":
         """Create the TP/PP/DP groups (ranks ordered tp fastest, then dp, then pp, as Megatron)."""

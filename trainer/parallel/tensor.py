@@ -7,6 +7,8 @@ into the parallel subclass of its own class (``_become``). Layout (Megatron's):
   so every rank holds whole heads and matching gate/up rows. With SP the norm runs on the local tokens and the
   normalised tokens are all-gathered before the GEMM.
 * o_proj and down: row parallel; output all-reduced, or reduce-scattered over tokens with SP; bias after.
+* Async TP (``tp_overlap``, bf16 backend under SP): the column-parallel gather and the row-parallel
+  reduce-scatter run inside the layer's ``matmul``, micro-pipelined with the GEMM (``async_tp``).
 * Embedding and LM head: vocab parallel (the LM head is the embedding when tied, so both shard the same way).
 * Replicated parameters that see only part of the data get partial gradients (``tp_partial_grad``):
   per-head q/k norms always, and with SP the norms and the row-parallel biases. ``finalize_grads`` sums them.
@@ -14,6 +16,7 @@ into the parallel subclass of its own class (``_become``). Layout (Megatron's):
 Parameter shards carry ``tp_shard`` (a ``ShardInfo``) so export and gradient checks can rebuild full tensors.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,7 @@ from torch import nn
 
 from redline.trainer.layers.torch_layers import Linear, NormLinear, RMSNorm
 from redline.trainer.models.export import optional_param
+from redline.trainer.parallel.async_tp import all_gather_linear, linear_reduce_scatter, use_symm_mem
 from redline.trainer.parallel.comm import (copy_to_tp, gather_replicated, gather_tokens, reduce_from_tp,
                                            reduce_scatter_tokens)
 
@@ -77,16 +81,23 @@ def _mark_partial(param: nn.Parameter | None) -> None:
 
 
 class ColumnParallelNormLinear(NormLinear):
+    """Under ``async_tp`` the ``matmul`` is ``all_gather_linear``: it gathers the tokens itself."""
+
     def forward(self, x):
         x = self.normalize(x)
-        x = gather_tokens(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+        if not self.async_tp:
+            x = gather_tokens(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
         return self.project(x)
 
 
 class RowParallelLinear(Linear):
+    """Under ``async_tp`` the ``matmul`` is ``linear_reduce_scatter``: it reduce-scatters the tokens itself."""
+
     def forward(self, x):
         y = self.project(x, with_bias=False)
-        y = reduce_scatter_tokens(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
+        if not self.async_tp:
+            y = reduce_scatter_tokens(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(
+                y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -160,14 +171,20 @@ def _apply_te_tensor_parallel(model, layer, group, sequence_parallel: bool) -> N
     attn.core = model.backend.attention(spec.num_heads // tp, spec.num_kv_heads // tp, spec.head_dim)
 
 
-def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool, tp_overlap: str = "auto") -> None:
     """Shard a built ``DecoderModel`` over ``group`` in place (any backend: the ``te`` one is rebuilt with TE's
-    own ``tp_group``/``sequence_parallel``, the others get the parallel layers of this module)."""
+    own ``tp_group``/``sequence_parallel``, the others get the parallel layers of this module).
+
+    ``tp_overlap`` (``async_tp.TP_OVERLAPS``): ``"symm_mem"`` runs the SP collectives of the bf16 backend's
+    layers as symmetric-memory fused GEMMs (``async_tp``; ValueError where they cannot run), ``"auto"`` does so
+    wherever they can (SP, bf16 backend, NCCL on CUDA, a torch that has the ops), ``"off"`` never."""
     tp = dist.get_world_size(group)
     spec = model.spec
     if spec.num_kv_heads % tp or spec.vocab_size % tp:
         raise ValueError(f"tp={tp} must divide num_key_value_heads={spec.num_kv_heads} and "
                          f"vocab_size={spec.vocab_size}")
+    device = next(model.parameters()).device
+    async_tp = use_symm_mem(tp_overlap, group, sequence_parallel, model.backend, device)
     common = dict(tp_group=group, sequence_parallel=sequence_parallel)
     for layer in model.layers.values():
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
@@ -182,12 +199,17 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool) -> N
             column.weight = _shard(column.weight, 0, group, column.out_parts)
             if column.bias is not None:
                 column.bias = _shard(column.bias, 0, group, column.out_parts)
-            _become(column, ColumnParallelNormLinear, out_parts=tuple(p // tp for p in column.out_parts), **common)
+            _become(column, ColumnParallelNormLinear, out_parts=tuple(p // tp for p in column.out_parts),
+                    async_tp=async_tp, **common)
+            if async_tp:
+                column.matmul = functools.partial(all_gather_linear, group=group)
             if sequence_parallel:
                 _mark_partial(column.norm_weight)
         for row in (layer.self_attn.o_proj, layer.mlp.down):
             row.weight = _shard(row.weight, 1, group)
-            _become(row, RowParallelLinear, **common)
+            _become(row, RowParallelLinear, async_tp=async_tp, **common)
+            if async_tp:
+                row.matmul = functools.partial(linear_reduce_scatter, group=group)
             if sequence_parallel:
                 _mark_partial(row.bias)
     if model.embed_tokens is not None:
