@@ -140,6 +140,9 @@ class SyncConfig:
                                             "layer's tensors never split)")
     offload_rollout: bool = option(False, "colocated: the engine releases its weights and KV cache after each "
                                    "rollout and takes them back around the weight sync")
+    check_sglang_weights: bool = option(False, "after each push into SGLang, compare the servers' /weights_checker "
+                                        "hashes of their parameters with the sent tensors (a mismatch stops the "
+                                        "run); off by default: a 0.6B server dropped the connection on it once")
 
 
 @dataclass

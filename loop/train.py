@@ -93,7 +93,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if config.parallel.colocate:
         weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
-                                 offload=config.sync.offload_rollout)
+                                 offload=config.sync.offload_rollout, verify=config.sync.check_sglang_weights)
     else:
         weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
                                           bucket_bytes=config.sync.update_weight_buffer_size, device=device,

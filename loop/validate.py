@@ -104,6 +104,9 @@ def check_engine(config) -> None:
 
     r = config.rollout
     if resolve_engine(config) != "sglang":
+        if config.sync.check_sglang_weights:
+            raise ConfigError(f"--check-sglang-weights checks SGLang servers, but the rollout engine is "
+                              f"{resolve_engine(config)}: add --rollout-engine sglang")
         if r.sglang_server_urls:
             raise ConfigError(f"--sglang-server-urls attaches SGLang servers, but the rollout engine is "
                               f"{resolve_engine(config)}: add --rollout-engine sglang")

@@ -4,8 +4,8 @@ The plan (``redline.sync.plan.plan_for``) is made once from the model's HF-named
 buckets of at most ``--update-weight-buffer-size`` bytes, a layer's tensors never split. Each sync streams the
 export through it (``named_buckets``) into ``engine.update_weights``: the embedded engine copies each bucket
 into its fused tensors, the embedded engine process receives it by shared memory / CUDA IPC, SGLang gets one
-``FlattenedTensorBucket`` payload per bucket (serialized by ``SGLangEngine``), after which the servers' hashes
-of their parameters must equal those of the sent tensors (``SGLangEngine.verify_weights``).
+``FlattenedTensorBucket`` payload per bucket (serialized by ``SGLangEngine``); with ``--check-sglang-weights``
+the servers' hashes of their parameters must then equal those of the sent tensors (``verify_weights``).
 
 With ``--offload-rollout`` the engine gives its memory back after each rollout and the push follows the
 colocated sequence of ``redline.rollout.engine``: ``resume_memory({"weights"})`` → ``update_weights`` →
@@ -33,13 +33,13 @@ class WeightSync:
     ``model``: a ``redline.trainer.models`` decoder (``export_hf()``); ``engine``: any rollout engine.
     """
 
-    def __init__(self, model, engine, *, bucket_bytes: int, offload: bool):
+    def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, verify: bool = False):
         self.model, self.engine, self.offload = model, engine, offload
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
         self.released = False
-        # SGLang offers no per-bucket checksum on its receive path: it checks a push afterwards by hashing what
-        # it holds (the embedded engine copies in place, its process variant checks every bucket itself)
-        self.verify = getattr(engine, "verify_weights", None)
+        # ``verify`` (--check-sglang-weights): SGLang offers no per-bucket checksum on its receive path, so a push
+        # is checked afterwards against the hashes of what the servers hold (``SGLangEngine.verify_weights``)
+        self.verify = engine.verify_weights if verify else None
 
     async def release(self) -> None:
         """After a rollout: with ``--offload-rollout``, free the engine's weights and KV cache for training."""

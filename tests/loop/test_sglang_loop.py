@@ -40,7 +40,8 @@ def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, se
     monkeypatch.setattr(weight_check, "sglang_tensor_hash", lambda: byte_hash)
     with server:
         config = small_config(tmp_path, sft_steps="0", rollout_engine="sglang", sglang_server_urls=server.url,
-                              offload_rollout="true", update_weight_buffer_size=str(BUCKET_BYTES))
+                              offload_rollout="true", update_weight_buffer_size=str(BUCKET_BYTES),
+                              check_sglang_weights="true")
         config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
         state, _ = build(config, Console(quiet=True))
         try:

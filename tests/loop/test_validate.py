@@ -152,6 +152,13 @@ def test_attaching_servers_needs_the_sglang_engine(model_dir, data_file, machine
         validate(config_with(model_dir, data_file, sglang_server_urls="http://127.0.0.1:30000"))
 
 
+def test_checking_sglang_weights_needs_the_sglang_engine(model_dir, data_file, machine):
+    machine(installed=(), gpu=False)
+    with pytest.raises(ConfigError, match="--check-sglang-weights checks SGLang servers, but the rollout engine is "
+                                          "embedded: add --rollout-engine sglang"):
+        validate(config_with(model_dir, data_file, check_sglang_weights="true"))
+
+
 @pytest.mark.parametrize("installed,gpu,expected", [(("sglang",), True, "sglang"), (("sglang",), False, "embedded"),
                                                     ((), True, "embedded"), ((), False, "embedded")])
 def test_auto_engine_is_sglang_only_where_it_can_run(machine, installed, gpu, expected):
