@@ -18,11 +18,11 @@ receive and load them, and ends with the group's checksum comparison (a mismatch
 """
 
 import asyncio
-import contextlib
 from datetime import timedelta
 
 import torch
 
+from redline.devices import device_scope
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 
@@ -93,7 +93,7 @@ class BroadcastWeightSync:
         name = f"{stage_group_name(0)}-{port}"  # unique in this process, also when an earlier run left its group
 
         def join():
-            with self._on_device():
+            with device_scope(self.device):
                 return init_weight_update_group(address, port, 0, world, name, backend=self.backend,
                                                 timeout=timedelta(seconds=self.timeout_s))
 
@@ -110,7 +110,7 @@ class BroadcastWeightSync:
             raise RuntimeError("BroadcastWeightSync.push before connect()")
 
         def send():
-            with self._on_device():
+            with device_scope(self.device):
                 self.sender.sync(self.model.export_hf())
 
         await self._bounded(asyncio.to_thread(send), *(e.receive_weights(version) for e in self.engines),
@@ -130,7 +130,7 @@ class BroadcastWeightSync:
     def _destroy_group(self) -> None:
         import torch.distributed as dist
 
-        with self._on_device():
+        with device_scope(self.device):
             dist.destroy_process_group(self.group)
 
     def describe(self) -> str:
@@ -145,6 +145,4 @@ class BroadcastWeightSync:
             raise TimeoutError(f"{what}: no answer from every side within {self.timeout_s + 30:.0f} s "
                                f"(--distributed-timeout-minutes); an engine process may have died") from None
 
-    def _on_device(self):
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 

@@ -12,11 +12,11 @@ rollouts).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from datetime import timedelta
 
 import torch
+from redline.devices import device_scope
 
 METHODS = frozenset({"join_weight_group", "receive_weights", "export_weights", "leave_weight_group"})
 
@@ -31,7 +31,7 @@ class BroadcastWeights:
 
         self.engine = engine
         self.device = engine.model.embed_tokens.weight.device
-        with _on(self.device):
+        with device_scope(self.device):
             self.group = init_weight_update_group(master_address, master_port, rank, world_size, group_name,
                                                   backend=backend, timeout=timedelta(seconds=timeout_s))
             try:
@@ -42,14 +42,14 @@ class BroadcastWeights:
 
     def receive(self, version: str) -> None:
         # no host wait per bucket: the next receive into a buffer is stream-ordered after that buffer's load
-        with _on(self.device):
+        with device_scope(self.device):
             self.receiver.sync(functools.partial(self.engine.load_weights, wait=False))
         self.engine.weight_version = str(version)
 
     def close(self) -> None:
         import torch.distributed as dist
 
-        with _on(self.device):
+        with device_scope(self.device):
             dist.destroy_process_group(self.group)
 
 
@@ -75,7 +75,3 @@ def handle(engine, method: str, args: tuple):
         return None
     raise ValueError(f"unknown broadcast method {method!r}")
 
-
-def _on(device: torch.device):
-    """The engine's GPU as this thread's current device (NCCL and the loads use it); nothing on CPU."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

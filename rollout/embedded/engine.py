@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+from redline.devices import device_scope
 from redline.rollout.embedded.sampling import lm_head_logits, sample
 from redline.rollout.embedded.stops import StopChecker
 from redline.rollout.embedded.weights import WeightLoader
@@ -182,9 +183,7 @@ class EmbeddedEngine:
         whatever its parent chose, and Triton launches, stream and CUDA-graph capture follow the current device:
         an engine on cuda:1 (a data-parallel rank's) would otherwise capture an empty graph and launch its
         kernels on the wrong GPU."""
-        if self.device.type != "cuda":
-            return work(*args)
-        with torch.cuda.device(self.device):
+        with device_scope(self.device):
             return work(*args)
 
     def _serve(self) -> None:
