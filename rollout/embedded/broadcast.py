@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 from datetime import timedelta
 
-import torch
 from redline.devices import device_scope
 
 METHODS = frozenset({"join_weight_group", "receive_weights", "export_weights", "leave_weight_group"})
