@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from redline.extras import require
-from redline.ports import free_port
+from redline.ports import free_port, free_ports
 
 OWNED_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--base-gpu-id", "--enable-memory-saver"}
 
@@ -100,11 +100,13 @@ def launch_servers(model_path: str | Path, base_gpu_ids: list[int], *, tp_size: 
     require("sglang", "launching SGLang servers")
     extra = passthrough_args(list(extra_args))
     ports = list(ports or [None] * len(base_gpu_ids))
+    picked = iter(free_ports(ports.count(None)))  # distinct: two servers of one wave never share a pick
+    ports = [port or next(picked) for port in ports]
     started: list[ManagedProcess | None] = [None] * len(base_gpu_ids)
     try:
         for wave in start_waves(base_gpu_ids, tp_size):
             for i in wave:
-                port = ports[i] or free_port()
+                port = ports[i]
                 cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
                        "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp_size),
                        "--base-gpu-id", str(base_gpu_ids[i]), *(["--enable-memory-saver"] if enable_memory_saver

@@ -138,3 +138,28 @@ def test_requests_while_paused_return_aborted_without_reaching_the_server():
         res = run(SGLangEngine([server.url]), paused_generate)
     assert res.finish_reason == FinishReason.ABORT and res.output_ids == []
     assert "/generate" not in server.paths()
+
+
+def test_servers_launched_together_get_distinct_ports_and_keep_given_ones(monkeypatch, tmp_path):
+    from redline.rollout.sglang import server as server_module
+
+    commands = []
+
+    class Started:
+        pid = 0
+
+        def poll(self):
+            return 0
+
+    def spawn(cmd, log, env=None):
+        commands.append(cmd)
+        return Started()
+
+    monkeypatch.setattr(server_module, "require", lambda *a: None)
+    monkeypatch.setattr(server_module, "_spawn", spawn)
+    monkeypatch.setattr(server_module, "wait_until_healthy", lambda *a: None)
+    servers = server_module.launch_servers("model", [0, 1, 2, 3], ports=[None, 31234, None, None], log_dir=tmp_path)
+    ports = [int(cmd[cmd.index("--port") + 1]) for cmd in commands]
+    assert ports[1] == 31234 and len(set(ports)) == 4
+    assert [s.url for s in servers] == [f"http://127.0.0.1:{p}" for p in ports]
+
