@@ -162,6 +162,56 @@ def async_tp_functions_worker(rank):
         torch.testing.assert_close(results[0], results[1], msg=lambda m, fused=fused: f"{fused.__name__}: {m}")
 
 
+def async_tp_recompute_worker(rank):
+    """Selective recompute keeps async TP's fused outputs: a TP=2+SP block (column then row parallel) calls
+    each fused op once in the forward and once in the backward, recomputed or not (CPU: torch's fallbacks)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from redline.trainer.parallel.recompute import apply_recompute
+
+    calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
+
+    def counted(name, fallback):
+        def op(*args, **kwargs):
+            calls[name] += 1
+            return fallback(*args, **kwargs)
+        return op
+
+    library = torch.library.Library("symm_mem", "IMPL")
+    library.impl("fused_all_gather_matmul", counted("fused_all_gather_matmul",
+                                                    symm_mem._fused_all_gather_matmul_fallback), "CPU")
+    library.impl("fused_matmul_reduce_scatter", counted("fused_matmul_reduce_scatter",
+                                                        symm_mem._fused_matmul_reduce_scatter_fallback), "CPU")
+    group = dist.group.WORLD
+    generator = torch.Generator().manual_seed(rank)
+    w_column, w_row = torch.randn(6, 4, generator=generator), torch.randn(3, 6, generator=generator)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return linear_reduce_scatter(torch.relu(all_gather_linear(x, w_column, group)), w_row, group)
+
+    grads = {}
+    for mode in ("none", "selective"):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleDict({"0": Block()})
+        apply_recompute(model, mode)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        for name in calls:
+            calls[name] = 0
+        model.layers["0"](x).square().sum().backward()
+        assert calls == {"fused_all_gather_matmul": 2, "fused_matmul_reduce_scatter": 2}, (mode, calls)
+        grads[mode] = x.grad
+    torch.testing.assert_close(grads["selective"], grads["none"])
+
+
+@pytest.mark.slow
+def test_selective_recompute_keeps_async_tp_outputs(tmp_path):
+    symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
+    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
+        pytest.skip(f"torch {torch.__version__} has no unfused definitions of the symm_mem fused ops")
+    run_on_ranks(async_tp_recompute_worker, tmp_path)
+
+
 @pytest.mark.slow
 def test_async_tp_functions_equal_the_unfused_collectives_around_linear(tmp_path):
     symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")

@@ -1,5 +1,6 @@
 """Activation recompute per decoder layer: ``full`` (keep only the layer input) or ``selective`` (keep the
-GEMM and attention outputs, recompute norms, RoPE, SwiGLU and other elementwise work)."""
+GEMM and attention outputs — async TP's fused GEMM + collective ones included — and recompute norms, RoPE,
+SwiGLU and other elementwise work)."""
 
 import functools
 
@@ -7,6 +8,18 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "selective", "full")
+
+
+def _async_tp_ops() -> set:
+    """Async TP's fused GEMM + collective ops (``redline.trainer.parallel.async_tp``) where this torch has them:
+    recomputing one would repeat its GEMM and its collective."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+    except ImportError:
+        return set()
+    names = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+    return {getattr(torch.ops.symm_mem, name).default for name in names if hasattr(torch.ops.symm_mem, name)}
+
 
 # Outputs worth keeping: expensive to recompute relative to their size.
 SAVED_OPS = {
@@ -16,7 +29,7 @@ SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+} | _async_tp_ops()
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
