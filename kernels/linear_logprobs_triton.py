@@ -45,13 +45,13 @@ TILE_R, TILE_V = (8, 16) if _interpreting() else (32, 256)
 
 
 @triton.jit
-def _stats_kernel(z_ptr, y_ptr, col0, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_rows, n_cols, stride_z, out_row0,
-                  n_pieces, piece, inv_temp, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+def _stats_kernel(z_ptr, y_ptr, col0, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_rows, n_cols, stride_z, n_pieces,
+                  piece, inv_temp, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """Softmax statistics of BLOCK_R rows of an fp32 logits block ``[n_rows, n_cols]``.
 
     y holds each row's target id; the block's first column is id col0 (subtracted here rather than by a torch op
     per block on the host). Results go to column ``piece`` of
-    the ``[R, n_pieces]`` partials, rows ``out_row0 + r``.
+    the ``[R, n_pieces]`` partials, row ``r``.
 
     Each of the BLOCK_V lanes keeps its own running (max, Σexp, Σexp·(z − max)) and the lanes are merged
     once at the end: no cross-warp reduction inside the loop (five per step made the first version run at a
@@ -86,7 +86,7 @@ def _stats_kernel(z_ptr, y_ptr, col0, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_ro
     target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0
     has_target = row_ok & (target >= 0) & (target < n_cols)
     zy = tl.load(z_ptr + r * stride_z + target, mask=has_target, other=0.0) * inv_temp
-    out = (out_row0 + r) * n_pieces + piece
+    out = r * n_pieces + piece
     tl.store(m_ptr + out, m_row, mask=row_ok)
     tl.store(s_ptr + out, s_row, mask=row_ok)
     tl.store(w_ptr + out, w_row, mask=row_ok)
@@ -95,24 +95,24 @@ def _stats_kernel(z_ptr, y_ptr, col0, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_ro
 
 
 @triton.jit
-def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr, n_rows, n_cols, row0, inv_temp,
+def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr, n_rows, n_cols, inv_temp,
                     HAS_GENT: tl.constexpr, TILE_R: tl.constexpr, TILE_V: tl.constexpr):
     """dz (input dtype) of a contiguous fp32 logits block ``[n_rows, n_cols]`` whose first column is id col0 (y:
-    target ids); per-row values start at row0."""
+    target ids) and per-row values ``[n_rows]``."""
     r = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
     cols = tl.program_id(1).to(tl.int64) * TILE_V + tl.arange(0, TILE_V)
     row_ok = r < n_rows
     ok = row_ok[:, None] & (cols < n_cols)[None, :]
     offs = r[:, None] * n_cols + cols[None, :]
     z = tl.load(z_ptr + offs, mask=ok, other=0.0) * inv_temp
-    lse = tl.load(lse_ptr + row0 + r, mask=row_ok, other=0.0)
-    g_lp = tl.load(glp_ptr + row0 + r, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
+    g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
     target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
     p = tl.exp(z - lse[:, None])
     dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
     if HAS_GENT:
-        sum_pz = lse - tl.load(ent_ptr + row0 + r, mask=row_ok, other=0.0)
-        g_ent = tl.load(gent_ptr + row0 + r, mask=row_ok, other=0.0)
+        sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
+        g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
         dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
     tl.store(dz_ptr + offs, (dz * inv_temp).to(dz_ptr.dtype.element_ty), mask=ok)
 
@@ -160,15 +160,15 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     for t0 in range(0, n_rows, token_chunk):
         tc = min(token_chunk, n_rows - t0)
         chunk_stats(_rows_of(hidden, rows, t0, t0 + tc), weight, _rows_of(targets, rows, t0, t0 + tc) - vocab_offset,
-                    vocab_chunk, lambda v0, vc: _block(logits, tc, vc), parts, 0, inv_temp)
+                    vocab_chunk, lambda v0, vc: _block(logits, tc, vc), parts, inv_temp)
         for merged, chunk in zip(stats, combine(RowStats(*parts[:, :tc]))):
             merged[t0:t0 + tc] = chunk
     return RowStats(*stats)
 
 
-def chunk_stats(h, weight, target, vocab_chunk: int, block_of, parts, row0: int, inv_temp: float) -> None:
-    """Softmax statistics of one token chunk ``h [t, H]`` (``target [t]`` local ids) into rows row0… of ``parts``
-    ``[5, R, vocab chunks]``: per vocab chunk, cuBLAS writes the fp32 logits into ``block_of(v0, vc)`` (a
+def chunk_stats(h, weight, target, vocab_chunk: int, block_of, parts, inv_temp: float) -> None:
+    """Softmax statistics of one token chunk ``h [t, H]`` (``target [t]`` local ids) into the first t rows of
+    ``parts [5, R, vocab chunks]``: per vocab chunk, cuBLAS writes the fp32 logits into ``block_of(v0, vc)`` (a
     contiguous ``[t, vc]`` view of the workspace) and ``_stats_kernel`` folds them."""
     tc, vocab = h.shape[0], weight.shape[0]
     for piece, v0 in enumerate(range(0, vocab, vocab_chunk)):
@@ -176,7 +176,7 @@ def chunk_stats(h, weight, target, vocab_chunk: int, block_of, parts, row0: int,
         block = block_of(v0, vc)
         _mm_into(block, h, weight[v0:v0 + vc].t())
         _stats_kernel[(triton.cdiv(tc, STATS_LAUNCH["BLOCK_R"]),)](
-            block, target, v0, *parts, tc, vc, vc, row0, parts.shape[2], piece, inv_temp, **STATS_LAUNCH)
+            block, target, v0, *parts, tc, vc, vc, parts.shape[2], piece, inv_temp, **STATS_LAUNCH)
 
 
 def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entropy, inv_temp: float,
@@ -230,7 +230,7 @@ def chunk_gradients(h, weight, target, vocab_chunk: int, logits_of, row_values, 
         block, dz = logits_of(v0, vc), _block(dz_buffer, tc, vc)
         grid = (triton.cdiv(tc, TILE_R), triton.cdiv(vc, TILE_V))
         _dlogits_kernel[grid](block, dz, target, v0, lse, entropy, grad_logp,
-                              grad_entropy if grad_entropy is not None else grad_logp, tc, vc, 0, inv_temp,
+                              grad_entropy if grad_entropy is not None else grad_logp, tc, vc, inv_temp,
                               HAS_GENT=grad_entropy is not None, TILE_R=TILE_R, TILE_V=TILE_V, num_warps=4)
         _mm_into(dh[:tc], dz, weight[v0:v0 + vc], accumulate=v0 > 0)
         _mm_into(d_weight[v0:v0 + vc], dz.t(), h, accumulate=accumulate_dw)

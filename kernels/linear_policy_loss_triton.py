@@ -55,7 +55,7 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
         def logits_block(v0: int, vc: int) -> torch.Tensor:
             return logits[tc * v0: tc * (v0 + vc)].view(tc, vc)
 
-        chunk_stats(h, weight, target, vocab_chunk, logits_block, parts, 0, inv_temp)
+        chunk_stats(h, weight, target, vocab_chunk, logits_block, parts, inv_temp)
         stats = combine(RowStats(*parts[:, :tc]))
         if group is not None:
             stats = all_reduce(stats, group)
