@@ -755,8 +755,12 @@ def sglang_receiver(benchmark, sglang_server):
         # checked after the timings are recorded, so a mismatch fails the benchmark without losing its numbers
         # (SGLang's /get_weights_by_name does not serve Qwen models; /weights_checker hashes every parameter)
         start = time.perf_counter()
-        compare_checksums(expected_checksums(tensors.items()), loop.run_until_complete(client.weight_checksums()),
-                          server.url)
+        try:
+            compare_checksums(expected_checksums(tensors.items()),
+                              loop.run_until_complete(client.weight_checksums()), server.url)
+        except Exception as error:  # the server's side of it (at 0.6B it once dropped the connection)
+            tail = server.log.read_text(errors="replace")[-4000:] if server.log.exists() else "(no log)"
+            raise AssertionError(f"the weights check failed: {error!r}\nserver log {server.log}:\n{tail}") from error
         benchmark.extra_info["weights_check_s"] = time.perf_counter() - start  # what WeightSync adds per push
     finally:
         loop.run_until_complete(client.close())
