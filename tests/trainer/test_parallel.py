@@ -136,15 +136,31 @@ def test_async_tensor_parallel_over_nccl_matches_unfused(config_of, tmp_path):
     run_on_ranks(async_tp_worker, tmp_path, config_of("llama3"), nccl=True)
 
 
+SYMM_MEM_FUSED_OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+
+
+def serve_symm_mem_ops_on_cpu(calls=None):
+    """Register torch's own unfused definitions of the symm_mem fused ops (its fallbacks) as their CPU kernels,
+    counting each op's calls in ``calls`` when given; returns the library (keep it alive)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    library = torch.library.Library("symm_mem", "IMPL")
+    for name in SYMM_MEM_FUSED_OPS:
+        fallback = getattr(symm_mem, f"_{name}_fallback")
+
+        def op(*args, name=name, fallback=fallback, **kwargs):
+            if calls is not None:
+                calls[name] += 1
+            return fallback(*args, **kwargs)
+        library.impl(name, op, "CPU")
+    return library
+
+
 def async_tp_functions_worker(rank):
     """Async TP's autograd Functions against gather_tokens / reduce_scatter_tokens around F.linear: output and
     both gradients. On CPU the fused ops are served by torch's own unfused definitions of them (its fallbacks),
     so this checks the Functions' math; the NCCL tests above check the CUDA ops."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    library = torch.library.Library("symm_mem", "IMPL")
-    library.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
-    library.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
+    library = serve_symm_mem_ops_on_cpu()  # noqa: F841 - registered while it lives
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(rank)
     cases = [  # fused, unfused, shapes of x, weight, dy (per rank; 2 ranks)
@@ -165,23 +181,10 @@ def async_tp_functions_worker(rank):
 def async_tp_recompute_worker(rank):
     """Selective recompute keeps async TP's fused outputs: a TP=2+SP block (column then row parallel) calls
     each fused op once in the forward and once in the backward, recomputed or not (CPU: torch's fallbacks)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
     from redline.trainer.parallel.recompute import apply_recompute
 
-    calls = {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}
-
-    def counted(name, fallback):
-        def op(*args, **kwargs):
-            calls[name] += 1
-            return fallback(*args, **kwargs)
-        return op
-
-    library = torch.library.Library("symm_mem", "IMPL")
-    library.impl("fused_all_gather_matmul", counted("fused_all_gather_matmul",
-                                                    symm_mem._fused_all_gather_matmul_fallback), "CPU")
-    library.impl("fused_matmul_reduce_scatter", counted("fused_matmul_reduce_scatter",
-                                                        symm_mem._fused_matmul_reduce_scatter_fallback), "CPU")
+    calls = dict.fromkeys(SYMM_MEM_FUSED_OPS, 0)
+    library = serve_symm_mem_ops_on_cpu(calls)  # noqa: F841 - registered while it lives
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(rank)
     w_column, w_row = torch.randn(6, 4, generator=generator), torch.randn(3, 6, generator=generator)
@@ -205,19 +208,14 @@ def async_tp_recompute_worker(rank):
 
 
 @pytest.mark.slow
-def test_selective_recompute_keeps_async_tp_outputs(tmp_path):
+@pytest.mark.parametrize("worker", [async_tp_functions_worker, async_tp_recompute_worker],
+                         ids=["functions-equal-unfused-collectives-around-linear",
+                              "selective-recompute-keeps-fused-outputs"])
+def test_async_tp_on_cpu_through_torchs_unfused_fallbacks(tmp_path, worker):
     symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
-    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
+    if not all(hasattr(symm_mem, f"_{name}_fallback") for name in SYMM_MEM_FUSED_OPS):
         pytest.skip(f"torch {torch.__version__} has no unfused definitions of the symm_mem fused ops")
-    run_on_ranks(async_tp_recompute_worker, tmp_path)
-
-
-@pytest.mark.slow
-def test_async_tp_functions_equal_the_unfused_collectives_around_linear(tmp_path):
-    symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
-    if not hasattr(symm_mem, "_fused_all_gather_matmul_fallback"):
-        pytest.skip(f"torch {torch.__version__} has no unfused definitions of the symm_mem fused ops")
-    run_on_ranks(async_tp_functions_worker, tmp_path)
+    run_on_ranks(worker, tmp_path)
 
 
 def test_parallel_config_rejects_an_unknown_tp_overlap():
