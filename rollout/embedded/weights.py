@@ -25,7 +25,11 @@ class WeightLoader:
             for name, size in zip(names, parts):
                 self.slices[name] = (tensor, offset, size)
                 offset += size
-        self._released: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage id -> (storage, bytes)
+        # every parameter storage, keyed by its address at construction (a storage keeps its identity across
+        # release/resume, its address does not), and the storage behind each HF name
+        self._storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
+        self._storage_of = {name: tensor.untyped_storage().data_ptr() for name, (tensor, _, _) in self.slices.items()}
+        self._released: dict[int, int] = {}  # storage key -> its bytes, while released
 
     @torch.no_grad()
     def load(self, named_tensors, wait: bool = True) -> None:
@@ -52,21 +56,17 @@ class WeightLoader:
 
     def release(self) -> None:
         """Free parameter memory, keeping the tensors (and their storages) for ``resume``."""
-        for param in self.model.parameters():
-            storage = param.untyped_storage()
+        for key, storage in self._storages.items():
             if storage.nbytes():
-                self._released[storage._cdata] = (storage, storage.nbytes())
+                self._released[key] = storage.nbytes()
                 storage.resize_(0)
 
     def resume(self, names: Iterable[str] | None = None) -> None:
         """Re-allocate released parameter memory (contents undefined until loaded): all of it, or only the
         storages behind the HF ``names``. ``load`` resumes what it writes, so a sync allocates bucket k+1 on the
         host while the device still copies bucket k."""
-        if names is None:
-            keys = list(self._released)
-        else:
-            keys = {self.slices[n][0].untyped_storage()._cdata for n in names if n in self.slices}
+        keys = list(self._released) if names is None else {self._storage_of[n] for n in names if n in self._storage_of}
         for key in keys:
-            entry = self._released.pop(key, None)
-            if entry is not None:
-                entry[0].resize_(entry[1])
+            nbytes = self._released.pop(key, None)
+            if nbytes is not None:
+                self._storages[key].resize_(nbytes)
