@@ -17,7 +17,7 @@ import transformers
 
 from redline.trainer.models import from_config
 from redline.trainer.parallel import ParallelConfig, clip_grad_norm, finalize_grads, one_f_one_b
-from redline.trainer.parallel.async_tp import all_gather_linear, linear_reduce_scatter
+from redline.trainer.parallel.async_tp import FUSED_OPS, all_gather_linear, linear_reduce_scatter
 from redline.trainer.parallel.comm import gather_tokens, reduce_scatter_tokens
 from redline.trainer.parallel.pipeline import stage_layers
 
@@ -136,16 +136,13 @@ def test_async_tensor_parallel_over_nccl_matches_unfused(config_of, tmp_path):
     run_on_ranks(async_tp_worker, tmp_path, config_of("llama3"), nccl=True)
 
 
-SYMM_MEM_FUSED_OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
-
-
 def serve_symm_mem_ops_on_cpu(calls=None):
     """Register torch's own unfused definitions of the symm_mem fused ops (its fallbacks) as their CPU kernels,
     counting each op's calls in ``calls`` when given; returns the library (keep it alive)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     library = torch.library.Library("symm_mem", "IMPL")
-    for name in SYMM_MEM_FUSED_OPS:
+    for name in FUSED_OPS:
         fallback = getattr(symm_mem, f"_{name}_fallback")
 
         def op(*args, name=name, fallback=fallback, **kwargs):
@@ -183,7 +180,7 @@ def async_tp_recompute_worker(rank):
     each fused op once in the forward and once in the backward, recomputed or not (CPU: torch's fallbacks)."""
     from redline.trainer.parallel.recompute import apply_recompute
 
-    calls = dict.fromkeys(SYMM_MEM_FUSED_OPS, 0)
+    calls = dict.fromkeys(FUSED_OPS, 0)
     library = serve_symm_mem_ops_on_cpu(calls)  # noqa: F841 - registered while it lives
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(rank)
@@ -213,7 +210,7 @@ def async_tp_recompute_worker(rank):
                               "selective-recompute-keeps-fused-outputs"])
 def test_async_tp_on_cpu_through_torchs_unfused_fallbacks(tmp_path, worker):
     symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
-    if not all(hasattr(symm_mem, f"_{name}_fallback") for name in SYMM_MEM_FUSED_OPS):
+    if not all(hasattr(symm_mem, f"_{name}_fallback") for name in FUSED_OPS):
         pytest.skip(f"torch {torch.__version__} has no unfused definitions of the symm_mem fused ops")
     run_on_ranks(worker, tmp_path)
 

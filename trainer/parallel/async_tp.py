@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 TP_OVERLAPS = ("auto", "off", "symm_mem")
+FUSED_OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")  # in torch.ops.symm_mem
 
 
 def check_tp_overlap(overlap: str, sequence_parallel: bool) -> None:
@@ -63,18 +64,19 @@ def _symm_mem_missing(group, backend, device: torch.device) -> str | None:
     if "nccl" not in process_group_backend or device.type != "cuda":
         return (f"an NCCL process group on CUDA tensors (the TP group's backend is {process_group_backend!r}, "
                 f"the model is on {device.type!r})")
-    if not _fused_ops_exist():
+    if len(fused_ops()) != len(FUSED_OPS):
         return (f"torch.ops.symm_mem.fused_all_gather_matmul and fused_matmul_reduce_scatter, which torch "
                 f"{torch.__version__} does not have")
     return None
 
 
-def _fused_ops_exist() -> bool:
+def fused_ops() -> list:
+    """The ``FUSED_OPS`` overloads this torch has (none without ``torch.distributed._symmetric_memory``)."""
     try:
         import torch.distributed._symmetric_memory  # defines the torch.ops.symm_mem operators
     except ImportError:
-        return False
-    return all(hasattr(torch.ops.symm_mem, op) for op in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"))
+        return []
+    return [getattr(torch.ops.symm_mem, name).default for name in FUSED_OPS if hasattr(torch.ops.symm_mem, name)]
 
 
 def _enable_symm_mem(group) -> None:

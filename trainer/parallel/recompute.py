@@ -7,21 +7,13 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from redline.trainer.parallel.async_tp import fused_ops
+
 MODES = ("none", "selective", "full")
 
 
-def _async_tp_ops() -> set:
-    """Async TP's fused GEMM + collective ops (``redline.trainer.parallel.async_tp``) where this torch has them:
-    recomputing one would repeat its GEMM and its collective."""
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
-    except ImportError:
-        return set()
-    names = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
-    return {getattr(torch.ops.symm_mem, name).default for name in names if hasattr(torch.ops.symm_mem, name)}
-
-
-# Outputs worth keeping: expensive to recompute relative to their size.
+# Outputs worth keeping: expensive to recompute relative to their size (async TP's fused ops: recomputing one
+# would repeat its GEMM and its collective).
 SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -29,7 +21,7 @@ SAVED_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-} | _async_tp_ops()
+} | set(fused_ops())
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
