@@ -141,15 +141,16 @@ def serve_symm_mem_ops_on_cpu(calls=None):
     counting each op's calls in ``calls`` when given; returns the library (keep it alive)."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    def counted(name, fallback):
+        def op(*args, **kwargs):
+            calls[name] += 1
+            return fallback(*args, **kwargs)
+        return op
+
     library = torch.library.Library("symm_mem", "IMPL")
     for name in FUSED_OPS:
         fallback = getattr(symm_mem, f"_{name}_fallback")
-
-        def op(*args, name=name, fallback=fallback, **kwargs):
-            if calls is not None:
-                calls[name] += 1
-            return fallback(*args, **kwargs)
-        library.impl(name, op, "CPU")
+        library.impl(name, fallback if calls is None else counted(name, fallback), "CPU")
     return library
 
 
