@@ -98,3 +98,26 @@ def test_compiled_function_calling_the_op_matches_eager(monkeypatch):
         results.append((loss.detach(), clipfrac, h.grad, w.grad))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager)
+
+
+@pytest.mark.parametrize("path", ["one-pass", "two-pass"])
+def test_gradients_computed_in_the_forward_become_grad_without_a_copy(monkeypatch, path):
+    """Autograd keeps the op's own gradient tensors as ``.grad`` (a copy would double the gradient memory)."""
+    from redline.kernels import linear_policy_loss
+
+    computed = []
+    loss_and_grads = linear_policy_loss._loss_and_grads
+
+    def recording(*args, **kwargs):
+        results = loss_and_grads(*args, **kwargs)
+        computed.append(tuple(g.data_ptr() for g in results[2:]))  # pointers only: no reference kept
+        return results
+
+    monkeypatch.setattr(linear_policy_loss, "_loss_and_grads", recording)
+    inputs = make_inputs(seed=3)
+    h, w = inputs["hidden"].clone().requires_grad_(), inputs["weight"].clone().requires_grad_()
+    loss, _ = fused_linear_policy_loss(h, w, inputs["targets"], inputs["old_logp"], inputs["advantages"],
+                                       inputs["mask"], cfg=CONFIGS["ppo-k3-token-mean"], ref_logp=inputs["ref_logp"],
+                                       one_pass=path == "one-pass")
+    (2 * loss).backward()
+    assert computed == [(h.grad.data_ptr(), w.grad.data_ptr())]

@@ -249,21 +249,27 @@ def test_gpu_one_pass_and_two_pass_agree(cuda):
 
 
 @pytest.mark.gpu
-def test_gpu_one_pass_memory_stays_within_the_workspace(cuda):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_gpu_memory_through_backward_stays_within_the_workspace(cuda, one_pass):
+    """Forward and backward together: the workspace, per-token state and one set of gradients (autograd makes the
+    gradients computed in the forward ``.grad`` itself; a copy would show here as a second set)."""
     t, h, v = 16384, 2048, 65536  # the fp32 logits alone would be 4 GiB
     inputs = gpu_inputs(t, h, v, cuda, seed=5)
     hidden, weight = inputs["hidden"].requires_grad_(), inputs["weight"].requires_grad_()
 
-    def call(n):
-        return fused_linear_policy_loss(hidden[:n], weight, inputs["targets"][:n], inputs["old_logp"][:n],
-                                        inputs["advantages"][:n], inputs["mask"][:n], cfg=LossConfig(),
-                                        one_pass=True, workspace_bytes=256 * 2**20)
+    def step(n):
+        hidden.grad = weight.grad = None
+        loss, _ = fused_linear_policy_loss(hidden[:n], weight, inputs["targets"][:n], inputs["old_logp"][:n],
+                                           inputs["advantages"][:n], inputs["mask"][:n], cfg=LossConfig(),
+                                           one_pass=one_pass, workspace_bytes=256 * 2**20)
+        loss.backward()
 
-    call(64)  # cuBLAS workspaces and kernel compilation outside the measurement
+    step(64)  # cuBLAS workspaces and kernel compilation outside the measurement
+    hidden.grad = weight.grad = None
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    call(t)
+    step(t)
     grads = (hidden.numel() + weight.numel()) * hidden.element_size()
     per_token = 64 * t  # a dozen [T] fp32/int64 tensors: statistics, gathered inputs, the loss's gradients
     assert torch.cuda.max_memory_allocated() - before - grads <= 256 * 2**20 + per_token + 2**20
