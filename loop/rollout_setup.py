@@ -90,9 +90,12 @@ def engine_rows(config) -> int:
 
 
 def build_engine(config, tokenizer, *, device, dtype, log_dir="logs"):
-    """The run's rollout engine: colocated with the trainer (same device), or with ``--no-colocate`` one
-    embedded engine process per engine device (``engine_devices``), behind an ``EngineGroup`` when several."""
+    """The run's rollout engine: colocated with the trainer (same device), or with ``--no-colocate`` on the
+    engine devices (``engine_devices``): one SGLang server each, or one embedded engine process each (behind an
+    ``EngineGroup`` when several)."""
     if not config.parallel.colocate:
+        if resolve_engine(config) == "sglang":
+            return build_sglang_engine(config, log_dir=log_dir, gpus=[d.index for d in engine_devices(config)])
         engines = []
         for d in engine_devices(config):
             with only_gpu(d):  # the child sees its GPU as cuda:0, in every one of its threads
@@ -128,9 +131,10 @@ def build_embedded_process(config, *, device, dtype):
                                  seed=config.train.seed)
 
 
-def build_sglang_engine(config, *, log_dir):
-    """SGLang on the trainer's GPU (launched from ``--hf-checkpoint``), or attached to ``--sglang-server-urls``.
-    The memory saver is on with ``--offload-rollout``: it is what lets the engine release and resume memory."""
+def build_sglang_engine(config, *, log_dir, gpus=None):
+    """SGLang launched from ``--hf-checkpoint`` — one server on the trainer's GPU, or with ``--no-colocate`` one
+    server on each of ``gpus`` — or attached to ``--sglang-server-urls``. The memory saver is on with
+    ``--offload-rollout``: it is what lets the engine release and resume memory."""
     import torch
 
     from redline.rollout.sglang.engine import SGLangEngine
@@ -141,9 +145,9 @@ def build_sglang_engine(config, *, log_dir):
     args = list(r.sglang_args) + ["--mem-fraction-static", str(r.sglang_mem_fraction_static)]
     if not any(a.split("=", 1)[0] in ("--dtype", "--sglang-dtype") for a in args):
         args += ["--dtype", config.model.dtype]  # the trainer's dtype: its buckets load without a cast
-    return SGLangEngine.launch(config.model.hf_checkpoint, num_engines=1, tp_size=1, sglang_args=args,
-                               base_gpu_ids=[torch.cuda.current_device()], log_dir=log_dir,
-                               enable_memory_saver=config.sync.offload_rollout)
+    gpus = gpus if gpus is not None else [torch.cuda.current_device()]
+    return SGLangEngine.launch(config.model.hf_checkpoint, num_engines=len(gpus), tp_size=1, sglang_args=args,
+                               base_gpu_ids=gpus, log_dir=log_dir, enable_memory_saver=config.sync.offload_rollout)
 
 
 def trainer_device(config):

@@ -97,7 +97,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     else:
         weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
                                           bucket_bytes=config.sync.update_weight_buffer_size, device=device,
-                                          timeout_s=config.parallel.distributed_timeout_minutes * 60)
+                                          timeout_s=config.parallel.distributed_timeout_minutes * 60,
+                                          verify=config.sync.check_sglang_weights)
         try:
             loop.run_until_complete(weight_sync.connect())
         except BaseException:

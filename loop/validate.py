@@ -170,8 +170,9 @@ def check_distributed_timeout(config) -> None:
 
 def check_placement(config, world_size: int = 1) -> None:
     """The trainer without TP/PP: one process, or ``world_size`` data-parallel ranks under ``torchrun``, each
-    with its colocated engine; or (one process) with ``--no-colocate`` engines in their own processes on other
-    GPUs (the CPU on a CPU machine), weights pushed by broadcast."""
+    with its colocated engine; or (one process) with ``--no-colocate`` engines on other GPUs — embedded engine
+    processes (also on the CPU of a CPU machine) or SGLang servers, launched or attached — weights pushed by
+    broadcast."""
     import torch
 
     from redline.loop.rollout_setup import resolve_engine
@@ -187,14 +188,11 @@ def check_placement(config, world_size: int = 1) -> None:
         return
     if p.colocate:
         return
-    if resolve_engine(config) == "sglang":
-        raise ConfigError("--no-colocate with --rollout-engine sglang is not wired into `redline train` yet "
-                          "(redline.sync.sglang builds the /update_weights_from_distributed requests, "
-                          "redline.sync.broadcast the group); use --rollout-engine embedded with --no-colocate, "
-                          "or drop --no-colocate to run SGLang on the trainer's GPU")
     if config.sync.offload_rollout:
         raise ConfigError("--offload-rollout frees the engine's memory for a trainer on the same GPU; with "
                           "--no-colocate the engines have their own GPUs: drop one of the two flags")
+    if resolve_engine(config) == "sglang" and config.rollout.sglang_server_urls:
+        return  # attached servers: they hold their GPUs already, --rollout-num-gpus launches nothing
     if p.rollout_num_gpus < 1:
         raise ConfigError(f"--rollout-num-gpus must be >= 1 with --no-colocate, got {p.rollout_num_gpus}")
     if torch.cuda.is_available():

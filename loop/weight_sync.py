@@ -11,10 +11,13 @@ With ``--offload-rollout`` the engine gives its memory back after each rollout a
 colocated sequence of ``redline.rollout.engine``: ``resume_memory({"weights"})`` → ``update_weights`` →
 ``resume_memory({"kv_cache"})``, so the new weights land before the KV cache competes for memory.
 
-With ``--no-colocate`` (``BroadcastWeightSync``) the engines are embedded engine processes on other GPUs (the
-CPU on a CPU machine): the trainer is rank 0 of a ``redline.sync.broadcast`` weight-update group and each engine
-one more rank; every push broadcasts the plan's buckets (NCCL on GPUs, gloo on the CPU) while the engines
-receive and load them, and ends with the group's checksum comparison (a mismatch raises ``ChecksumMismatch``).
+With ``--no-colocate`` (``BroadcastWeightSync``) the engines run on other GPUs (embedded engine processes also on
+the CPU of a CPU machine): the trainer is rank 0 of a ``redline.sync.broadcast`` weight-update group, built the way
+SGLang builds it, and the engines' GPUs the next ranks; every push broadcasts the plan's buckets (NCCL on GPUs,
+gloo on the CPU) while the engines receive and load them. Embedded engine processes post their receives from the
+plan and the push ends with the group's checksum comparison (a mismatch raises ``ChecksumMismatch``); SGLang
+servers get each bucket announced by ``/update_weights_from_distributed`` just before its broadcast, and with
+``--check-sglang-weights`` their parameter hashes are compared afterwards, as on the colocated path.
 """
 
 import asyncio
@@ -25,6 +28,11 @@ import torch
 from redline.devices import device_scope
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
+
+
+def describe_plan(plan: WeightPlan) -> str:
+    sizes = [b.nbytes for b in plan.buckets]
+    return f"{len(sizes)} buckets, {plan.nbytes / 2**20:.1f} MiB (largest {max(sizes) / 2**20:.1f} MiB)"
 
 
 class WeightSync:
@@ -63,33 +71,38 @@ class WeightSync:
             self.released = False
 
     def describe(self) -> str:
-        sizes = [b.nbytes for b in self.plan.buckets]
-        return (f"weight sync: {len(sizes)} buckets, {self.plan.nbytes / 2**20:.1f} MiB "
-                f"(largest {max(sizes) / 2**20:.1f} MiB){' · offload rollout' if self.offload else ''}")
+        return f"weight sync: {describe_plan(self.plan)}{' · offload rollout' if self.offload else ''}"
 
 
 class BroadcastWeightSync:
-    """``--no-colocate``: the same plan, broadcast from this process (group rank 0) to every engine process.
+    """``--no-colocate``: the same plan, broadcast from this process (group rank 0) to every engine GPU.
 
-    ``engines``: ``EmbeddedEngineProcess`` objects on their own devices, engine ``i`` joining as rank ``i + 1``;
-    ``device``: the trainer's (``cuda:0`` or ``cpu``). Call ``connect()`` once before the first ``push``. Every
-    wait (group setup, each push) is bounded by ``timeout_s``: a dead or stuck engine fails the run instead of
-    hanging it.
+    ``engines``: engines on their own devices — ``EmbeddedEngineProcess`` objects or ``SGLangEngine`` s, each
+    joining with its ``weight_group_size`` GPUs at consecutive ranks from 1 on; ``device``: the trainer's
+    (``cuda:0`` or ``cpu``). ``verify`` (--check-sglang-weights): after each push, every engine with a
+    ``verify_weights`` compares the hashes of what it holds with the trainer's tensors. Call ``connect()``
+    once before the first ``push``. Every wait (group setup, each push) is bounded by ``timeout_s``: a dead or
+    stuck engine fails the run instead of hanging it.
     """
 
-    def __init__(self, model, engines, *, bucket_bytes: int, device: torch.device, timeout_s: float):
+    def __init__(self, model, engines, *, bucket_bytes: int, device: torch.device, timeout_s: float,
+                 verify: bool = False):
         self.model, self.engines, self.device = model, list(engines), torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.timeout_s = timeout_s
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
+        # the group's checksum comparison is a collective: it runs only when every receiver takes part
+        self.compare_checksums = all(e.joins_checksum_comparison for e in self.engines)
+        self.verifiers = [e.verify_weights for e in self.engines if verify]
         self.sender = None
         self.group = None
 
     async def connect(self) -> None:
         """Build the weight-update group: this process as rank 0, the engines at the same time as 1..N."""
-        from redline.sync.broadcast import BroadcastSender, init_weight_update_group, stage_group_name
+        from redline.sync.broadcast import BroadcastSender, init_weight_update_group, rank_offsets, stage_group_name
 
-        address, port, world = "127.0.0.1", free_port(), 1 + len(self.engines)
+        address, port = "127.0.0.1", free_port()  # the engines run on this host
+        offsets, world = rank_offsets([e.weight_group_size for e in self.engines])
         name = f"{stage_group_name(0)}-{port}"  # unique in this process, also when an earlier run left its group
 
         def join():
@@ -98,23 +111,37 @@ class BroadcastWeightSync:
                                                 timeout=timedelta(seconds=self.timeout_s))
 
         joins = [engine.join_weight_group(address, port, rank, world, name, self.backend, self.plan, self.timeout_s)
-                 for rank, engine in enumerate(self.engines, start=1)]
+                 for engine, rank in zip(self.engines, offsets)]
         self.group, *_ = await self._bounded(asyncio.to_thread(join), *joins, what="building the weight-update group")
-        self.sender = BroadcastSender(self.group, self.plan, self.device)
+        self.sender = BroadcastSender(self.group, self.plan, self.device, verify=self.compare_checksums)
 
     async def release(self) -> None:
         """Nothing to free: the engines have their own devices."""
 
     async def push(self, version: str) -> None:
+        """Broadcast every bucket while the engines receive them; each bucket's layout is announced to the
+        engines (``receive_weights``' ``announced``) just before its broadcast starts."""
         if self.sender is None:
             raise RuntimeError("BroadcastWeightSync.push before connect()")
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in self.engines]
+
+        def announce(layout) -> None:  # on the sending thread
+            for queue in queues:
+                loop.call_soon_threadsafe(queue.put_nowait, layout)
 
         def send():
-            with device_scope(self.device):
-                self.sender.sync(self.model.export_hf())
+            try:
+                with device_scope(self.device):
+                    self.sender.sync(self.model.export_hf(), announce=announce)
+            finally:
+                announce(None)  # the end of the announcements, also when the broadcast failed
 
-        await self._bounded(asyncio.to_thread(send), *(e.receive_weights(version) for e in self.engines),
+        await self._bounded(asyncio.to_thread(send),
+                            *(e.receive_weights(version, _announced(q)) for e, q in zip(self.engines, queues)),
                             what=f"the weight broadcast of version {version}")
+        for verify in self.verifiers:
+            await verify(self.model.export_hf())
 
     async def close(self) -> None:
         """Leave the group on every side (before the engines shut down)."""
@@ -134,9 +161,11 @@ class BroadcastWeightSync:
             dist.destroy_process_group(self.group)
 
     def describe(self) -> str:
-        sizes = [b.nbytes for b in self.plan.buckets]
-        return (f"weight sync: broadcast ({self.backend}) {self.device} → {len(self.engines)} engine process(es), "
-                f"{len(sizes)} buckets, {self.plan.nbytes / 2**20:.1f} MiB (largest {max(sizes) / 2**20:.1f} MiB)")
+        gpus = sum(e.weight_group_size for e in self.engines)
+        check = "bucket checksums" if self.compare_checksums else (
+            "server hashes" if self.verifiers else "no check (--check-sglang-weights adds one)")
+        return (f"weight sync: broadcast ({self.backend}) {self.device} → {len(self.engines)} engine(s) on {gpus} "
+                f"device(s), {describe_plan(self.plan)} · {check}")
 
     async def _bounded(self, *awaitables, what: str):
         try:
@@ -146,3 +175,7 @@ class BroadcastWeightSync:
                                f"(--distributed-timeout-minutes); an engine process may have died") from None
 
 
+async def _announced(queue: asyncio.Queue):
+    """The layouts put on ``queue`` until ``None``."""
+    while (layout := await queue.get()) is not None:
+        yield layout

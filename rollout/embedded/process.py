@@ -131,6 +131,9 @@ class EmbeddedEngineProcess:
         """Copy one bucket of HF-named tensors into the child's model; returns once copied."""
         await self._call("load_weights", [(name, tensor.detach()) for name, tensor in named_tensors])
 
+    weight_group_size = 1  # disaggregated sync: the one device this process joins the weight-update group with
+    joins_checksum_comparison = True  # its receiver takes part in the group's bucket-checksum comparison
+
     async def join_weight_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                                 group_name: str, backend: str, plan, timeout_s: float) -> None:
         """Disaggregated sync: join the trainer's weight-update group (``redline.sync.broadcast``) as ``rank``;
@@ -138,9 +141,10 @@ class EmbeddedEngineProcess:
         await self._call("join_weight_group", master_address, master_port, rank, world_size, group_name, backend,
                          plan, timeout_s)
 
-    async def receive_weights(self, version: str) -> None:
+    async def receive_weights(self, version: str, announced=None) -> None:
         """Receive every bucket of the plan from the group's rank 0 (which broadcasts meanwhile), load it, check
-        the checksums with the group, then report ``version``."""
+        the checksums with the group, then report ``version``. The child posts its receives from the plan it got
+        when joining, so the trainer's per-bucket announcements (``announced``) are not needed here."""
         await self._call("receive_weights", str(version))
 
     async def leave_weight_group(self) -> None:

@@ -120,6 +120,22 @@ class SGLangClient:
             "serialized_named_tensors": list(per_rank), "load_format": load_format, "flush_cache": False,
             "weight_version": version})
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Join the trainer's weight-update group, this server's TP rank r as ``rank_offset + r``. SGLang answers
+        once the group is built, which needs every member: send it while the trainer joins."""
+        await self._check("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, body: dict) -> None:
+        """Announce one broadcast bucket (``redline.sync.sglang.update_from_distributed_body``); SGLang posts the
+        receive, and answers once the bucket has arrived and is loaded."""
+        await self._check("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._check("/destroy_weights_update_group", {"group_name": group_name})
+
     async def weight_checksums(self) -> dict:
         """``/weights_checker`` ``checksum``: ``{"ranks": [{"checksums": {name: hash}, ...}], ...}``."""
         _, answer = await self.request("POST", "/weights_checker", {"action": "checksum"})

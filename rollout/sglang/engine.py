@@ -21,6 +21,7 @@ from redline.rollout.sglang.payload import serialize_bucket
 from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_servers
 from redline.rollout.sglang.weight_check import compare_checksums, expected_checksums
 from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
+from redline.sync.sglang import update_from_distributed_body
 
 SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
 
@@ -43,6 +44,16 @@ class SGLangEngine:
         self.owned = list(owned)
         self.weight_version = weight_version
         self._paused = False
+        self._weight_group: str | None = None
+
+    # Disaggregated sync (``redline.loop.weight_sync.BroadcastWeightSync``): the GPUs this engine joins the
+    # trainer's weight-update group with, and whether they take part in redline's bucket-checksum comparison
+    # (SGLang's receive path has no such step; ``verify_weights`` checks the result instead).
+    @property
+    def weight_group_size(self) -> int:
+        return len(self.workers) * self.tp_size
+
+    joins_checksum_comparison = False
 
     @classmethod
     def launch(cls, model_path, *, num_engines: int = 1, tp_size: int = 1, sglang_args: list[str] = (),
@@ -104,6 +115,38 @@ class SGLangEngine:
             torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
         await self._all("end_weight_update")
         self.weight_version = str(version)
+
+    async def join_weight_group(self, master_address: str, master_port: int, rank: int, world_size: int,
+                                group_name: str, backend: str, plan=None, timeout_s: float | None = None) -> None:
+        """Every server joins the trainer's weight-update group, server i's TP ranks from ``rank + i·tp_size``
+        on; returns once the group is built (the trainer joins as rank 0 at the same time). ``plan`` and
+        ``timeout_s`` are for engines that post their receives themselves; SGLang gets each bucket announced
+        (``receive_weights``) and the caller bounds the waits."""
+        await asyncio.gather(*(w.init_weights_update_group(master_address, master_port, rank + i * self.tp_size,
+                                                           world_size, group_name, backend)
+                               for i, w in enumerate(self.workers)))
+        self._weight_group = group_name
+
+    async def receive_weights(self, version: str, announced) -> None:
+        """Load what the trainer broadcasts: for each bucket layout ``announced`` (an async iterator) yields, in
+        broadcast order, every server gets its ``/update_weights_from_distributed`` request (it posts the
+        receive, then loads); the next bucket is announced once all have answered, so no server can post its
+        receives out of order. Opens/closes the update session on >= 0.5.21, flushes caches, publishes
+        ``version``."""
+        if self._weight_group is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        await self._all("begin_weight_update")
+        async for layout in announced:
+            await self._all("update_weights_from_distributed",
+                            update_from_distributed_body(layout, group_name=self._weight_group,
+                                                         weight_version=str(version)))
+        await self._all("end_weight_update")
+        self.weight_version = str(version)
+
+    async def leave_weight_group(self) -> None:
+        if self._weight_group is not None:
+            await self._all("destroy_weights_update_group", self._weight_group)
+            self._weight_group = None
 
     async def verify_weights(self, named_tensors, hash_fn=None) -> None:
         """Raise ``WeightsMismatch`` unless every server holds exactly ``named_tensors`` (HF names, the tensors

@@ -77,13 +77,15 @@ def test_placement_checks_name_the_flag(tmp_path, monkeypatch):
         check_placement(apply_overrides(config, {"rollout_num_gpus": "0"}))
     with pytest.raises(ConfigError, match="--distributed-timeout-minutes"):
         check_placement(apply_overrides(config, {"distributed_timeout_minutes": "0"}))
-    with pytest.raises(ConfigError, match="--rollout-engine embedded"):
-        check_placement(apply_overrides(config, {"rollout_engine": "sglang"}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     check_placement(config)  # GPU 0 trains, GPU 1 serves
     with pytest.raises(ConfigError, match="3 in all, but 2 are visible"):
         check_placement(apply_overrides(config, {"rollout_num_gpus": "2"}))
+    sglang = apply_overrides(config, {"rollout_engine": "sglang", "rollout_num_gpus": "2"})
+    with pytest.raises(ConfigError, match="3 in all, but 2 are visible"):  # launched: one server per engine GPU
+        check_placement(sglang)
+    check_placement(apply_overrides(sglang, {"sglang_server_urls": "http://127.0.0.1:30000"}))  # attached
 
 
 @pytest.mark.slow

@@ -3,21 +3,34 @@ of the client; the live tests against real SGLang are in test_sglang_live.py).
 
 It answers ``/generate`` deterministically: the response is the prompt's ids reversed, cut to max_new_tokens,
 with log-prob ``-0.5`` per token and finish reason "length"; it records every request it receives.
+
+The disaggregated routes are real on the receiving side: ``/init_weights_update_group`` joins the trainer's group
+(``redline.sync.broadcast.init_weight_update_group``, the construction SGLang uses), and each
+``/update_weights_from_distributed`` receives the announced flattened bucket by broadcast, cuts it into the named
+tensors and, given a ``hash_fn``, reports the hashes of the parameters SGLang would hold from ``/weights_checker``. A group member must not share
+a process with the trainer's side of the group, so such tests run the stand-in in a process of its own
+(``fake_sglang_process``; ``GET /fake/calls`` lists what it received).
 """
 
+import contextlib
 import json
+import math
+import multiprocessing
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeSGLang:
-    def __init__(self, version="0.5.17", delay=0.0, busy_flushes=1):
-        self.version, self.delay, self.busy_flushes = version, delay, busy_flushes
+    def __init__(self, version="0.5.17", delay=0.0, busy_flushes=1, hash_fn=None, corrupt_bucket=None):
+        self.version, self.delay, self.busy_flushes, self.hash_fn = version, delay, busy_flushes, hash_fn
+        self.corrupt_bucket = corrupt_bucket  # index of a received bucket whose first byte is flipped on arrival
+        self.buckets_received = 0
         self.calls: list[tuple[str, dict | None]] = []
         self.session_open = False
         self.weight_version = "default"
-        self.checksums: dict[str, str] = {}  # what /weights_checker reports (set by the test)
+        self.checksums: dict[str, str] = {}  # what /weights_checker reports (set by the test, or by received buckets)
+        self.group, self.group_name = None, None
         self.lock = threading.Lock()
         server = self
 
@@ -81,12 +94,62 @@ class FakeSGLang:
                 self.busy_flushes -= 1
                 return 400, "requests running"
             return 200, "Cache flushed"
+        if path == "/init_weights_update_group":
+            return self.join_group(body)
+        if path == "/update_weights_from_distributed":
+            if self.new_contract and not self.session_open:
+                return 400, {"success": False, "message": "must run between begin_weight_update() and "
+                                                          "end_weight_update()"}
+            return self.receive_bucket(body)
+        if path == "/destroy_weights_update_group":
+            import torch.distributed as dist
+
+            if body["group_name"] != self.group_name:
+                return 400, {"success": False, "message": f"no group {body['group_name']}"}
+            dist.destroy_process_group(self.group)
+            self.group = self.group_name = None
+            return 200, {"success": True, "message": ""}
+        if path == "/fake/calls":
+            return 200, [p for p, _ in self.calls]
         if path == "/weights_checker":
             return 200, {"success": True, "message": "", "ranks": [{"checksums": self.checksums}]}
         if path in ("/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
                     "/continue_generation"):
             return 200, None
         return 404, {"detail": "Not Found"}
+
+    def join_group(self, body):
+        from redline.sync.broadcast import init_weight_update_group
+
+        self.group = init_weight_update_group(body["master_address"], body["master_port"], body["rank_offset"],
+                                              body["world_size"], body["group_name"], backend=body["backend"])
+        self.group_name = body["group_name"]
+        return 200, {"success": True, "message": ""}
+
+    def receive_bucket(self, body):
+        """One flattened bucket: the tensors' bytes back to back in the announced order (FlattenedTensorBucket)."""
+        import torch
+        import torch.distributed as dist
+
+        if body["group_name"] != self.group_name or body.get("load_format") != "flattened_bucket":
+            return 400, {"success": False, "message": f"unexpected group or load format: {body}"}
+        dtypes = [getattr(torch, d) for d in body["dtypes"]]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(body["shapes"], dtypes)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.broadcast(flat, group_src=0, group=self.group)
+        if self.buckets_received == self.corrupt_bucket:
+            flat[0] ^= 1
+        self.buckets_received += 1
+        received, offset = [], 0
+        for name, shape, dtype, size in zip(body["names"], body["shapes"], dtypes, sizes):
+            received.append((name, flat[offset:offset + size].view(dtype).view(shape)))
+            offset += size
+        if self.hash_fn is not None:  # as SGLang holds them: a bucket never splits a fused parameter's parts
+            from redline.rollout.sglang.weight_check import expected_checksums
+
+            self.checksums.update(expected_checksums(received, self.hash_fn))
+        self.weight_version = body.get("weight_version") or self.weight_version
+        return 200, {"success": True, "message": "Success"}
 
     def paths(self):
         return [p for p, _ in self.calls if p not in ("/server_info", "/get_server_info", "/health")]
@@ -98,3 +161,26 @@ class FakeSGLang:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _serve(urls, stop, options):
+    with FakeSGLang(busy_flushes=0, **options) as server:
+        urls.put(server.url)
+        stop.wait()
+
+
+@contextlib.contextmanager
+def fake_sglang_process(version="0.5.17", **options):
+    """A ``FakeSGLang`` (no busy flushes; ``options`` as its constructor's) in a spawned process of its own;
+    yields its URL."""
+    context = multiprocessing.get_context("spawn")
+    urls, stop = context.Queue(), context.Event()
+    process = context.Process(target=_serve, args=(urls, stop, dict(version=version, **options)), daemon=True)
+    process.start()
+    try:
+        yield urls.get(timeout=120)
+    finally:
+        stop.set()
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
