@@ -117,3 +117,36 @@ def test_two_engines_behind_the_router(live_model_dir, tmp_path):
     routed, results, healthy = asyncio.run(scenario())
     assert routed and healthy
     assert len({tuple(r.output_ids) for r in results}) == 1  # same weights behind both: same greedy output
+
+
+@pytest.mark.multigpu
+def test_disaggregated_broadcast_into_a_server_on_another_gpu(live_model_dir, tmp_path):
+    """``--no-colocate``'s push: the trainer on cuda:0 broadcasts the plan's buckets over NCCL to a server on
+    cuda:1, announcing each with /update_weights_from_distributed; the server then holds the trainer's weights
+    (its hashes are compared) and generates with them."""
+    from redline.loop.weight_sync import BroadcastWeightSync
+    from redline.rollout.sglang.engine import SGLangEngine
+    from redline.trainer.models import from_pretrained
+
+    model = from_pretrained(live_model_dir, dtype=torch.bfloat16, device="cuda:0")
+    with torch.no_grad():
+        model.lm_head_weight().copy_(torch.flip(model.lm_head_weight(), dims=[0]))
+
+    async def scenario():
+        engine = SGLangEngine.launch(live_model_dir, base_gpu_ids=[1], sglang_args=SERVER_ARGS, log_dir=tmp_path)
+        sync = BroadcastWeightSync(model, [engine], bucket_bytes=2**20, device=torch.device("cuda:0"), timeout_s=120,
+                                   verify=True)
+        try:
+            before = (await engine.generate([GenerateRequest(PROMPT, GREEDY)]))[0]
+            await sync.connect()
+            for version in ("1", "2"):  # the second push reuses the group and the sender's slots
+                await sync.push(version)  # ends with the hash comparison: raises WeightsMismatch on a difference
+            after = (await engine.generate([GenerateRequest(PROMPT, GREEDY)]))[0]
+            await sync.close()
+            return len(sync.plan.buckets), before, after
+        finally:
+            await engine.shutdown()
+
+    buckets, before, after = asyncio.run(scenario())
+    assert buckets > 2
+    assert after.output_ids != before.output_ids and after.weight_version == "2"
