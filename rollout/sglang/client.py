@@ -17,6 +17,12 @@ from redline.extras import require
 from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
 
 SESSION_API_VERSION = Version("0.5.21")
+# SGLang serves HTTP with uvicorn, which closes a keep-alive connection after 5 s idle; aiohttp would keep it
+# pooled for 15 s, and a request sent on it just as the server closes it fails with ServerDisconnectedError
+# (NVIDIA-NeMo/Gym#1555; the likely cause of the ServerDisconnectedError the 0.6B sync benchmark met on
+# /weights_checker, sent after seconds spent hashing on the trainer's side). Idle connections are dropped here
+# first.
+KEEPALIVE_SECONDS = 3.0
 FLUSH_RETRIES = 60  # slime and NeMo-RL retry a busy flush for about a minute
 
 
@@ -67,7 +73,8 @@ class SGLangClient:
     def _http(self):
         aiohttp = require("aiohttp", "the SGLang engine client")
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS))
         return self._session
 
     async def request(self, method: str, path: str, body: dict | None = None, *, ok=(200,)):
