@@ -16,9 +16,13 @@ written exactly once.
 Why cuBLAS + epilogue rather than one Triton GEMM-with-epilogue kernel: measured on an H100 (H=4096,
 V=151936, T=16384), the fused Triton GEMM forward ran at 53.4 ms against 28.2 ms for the cuBLAS logits GEMM;
 round-tripping the fp32 block through HBM costs 8 bytes per logit (~7 ms at this shape), far less than the gap.
+That kernel loaded its tiles through masked pointer loads; ``REDLINE_LM_HEAD_GEMM=triton`` selects a persistent
+TMA GEMM with the dz epilogue for the backward (``lm_head_gemm_triton``), to be measured against this path.
 
 On CPU tensors (Triton's interpreter, ``TRITON_INTERPRET=1``) the GEMMs run as fp32 ``torch.mm``.
 """
+
+import os
 
 import torch
 import triton
@@ -184,54 +188,88 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     """(d_hidden ``[T, H]`` hidden dtype, d_weight ``[V, H]`` weight dtype); unselected rows get zero gradient.
 
     lse, entropy, grad_logp, grad_entropy: ``[R]`` fp32 per selected row (grad_entropy may be None).
-    Extra memory beyond the two gradients: at most ``workspace_bytes``.
+    Extra memory beyond the two gradients: at most ``workspace_bytes``. With ``REDLINE_LM_HEAD_GEMM=triton``
+    the logits recompute and dz are one Triton kernel (``lm_head_gemm_triton``) and no fp32 block is kept.
     """
     n_rows = lse.numel()
     vocab, width = weight.shape
     gather = rows is not None
     if n_rows == 0:
         return torch.zeros_like(hidden), torch.zeros_like(weight)
+    fused = fused_gemm_dz(hidden)
     d_weight = torch.empty_like(weight)
     d_hidden = torch.zeros_like(hidden) if gather else torch.empty_like(hidden)
     token_chunk, vocab_chunk = backward_plan(n_rows, vocab, width, gather, hidden.element_size(), workspace_bytes,
-                                             ALIGN)
-    logits = torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
-    dz_buffer = torch.empty(token_chunk * vocab_chunk, dtype=hidden.dtype, device=hidden.device)
+                                             ALIGN, keeps_logits=fused is None)
+    logits = None if fused else torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
+    stride_align = fused.STRIDE_ALIGN if fused else 1
+    dz_buffer = torch.empty(token_chunk * _aligned(vocab_chunk, stride_align), dtype=hidden.dtype,
+                            device=hidden.device)
     dh = torch.empty((token_chunk, width), dtype=torch.float32, device=hidden.device)
     for t0 in range(0, n_rows, token_chunk):
         tc = min(token_chunk, n_rows - t0)
         h = _rows_of(hidden, rows, t0, t0 + tc)
-
-        def recomputed(v0: int, vc: int) -> torch.Tensor:
-            block = _block(logits, tc, vc)
-            _mm_into(block, h, weight[v0:v0 + vc].t())
-            return block
-
+        target = _rows_of(targets, rows, t0, t0 + tc) - vocab_offset
         row_values = tuple(None if x is None else x[t0:t0 + tc] for x in (lse, entropy, grad_logp, grad_entropy))
-        chunk_gradients(h, weight, _rows_of(targets, rows, t0, t0 + tc) - vocab_offset, vocab_chunk, recomputed,
-                        row_values, dz_buffer, dh, d_weight, t0 > 0, inv_temp)
+
+        def write_dz(v0: int, vc: int, dz: torch.Tensor) -> None:
+            w_chunk = weight[v0:v0 + vc]
+            if fused:
+                fused.gemm_dz(h, w_chunk, dz, target, v0, row_values, inv_temp)
+                return
+            block = _block(logits, tc, vc)
+            _mm_into(block, h, w_chunk.t())
+            dz_from_logits(block, dz, target, v0, row_values, inv_temp)
+
+        chunk_gradients(h, weight, vocab_chunk, write_dz, dz_buffer, stride_align, dh, d_weight, t0 > 0)
         store_rows(d_hidden, rows, t0, dh[:tc])
     return d_hidden, d_weight
 
 
-def chunk_gradients(h, weight, target, vocab_chunk: int, logits_of, row_values, dz_buffer, dh, d_weight,
-                    accumulate_dw: bool, inv_temp: float) -> None:
+def fused_gemm_dz(hidden):
+    """``lm_head_gemm_triton`` when ``REDLINE_LM_HEAD_GEMM=triton`` asks for it (ValueError naming the reason
+    when it cannot run on ``hidden``), else None (cuBLAS + ``_dlogits_kernel``)."""
+    choice = os.environ.get("REDLINE_LM_HEAD_GEMM") or "cublas"
+    if choice not in ("cublas", "triton"):
+        raise ValueError(f"REDLINE_LM_HEAD_GEMM must be 'cublas' or 'triton', got {choice!r}")
+    if choice == "cublas":
+        return None
+    from . import lm_head_gemm_triton
+
+    why_not = lm_head_gemm_triton.supported(hidden)
+    if why_not is not None:
+        raise ValueError(f"REDLINE_LM_HEAD_GEMM=triton: {why_not}; unset it to use cuBLAS")
+    return lm_head_gemm_triton
+
+
+def dz_from_logits(block, dz, target, col0: int, row_values, inv_temp: float) -> None:
+    """``_dlogits_kernel`` over a contiguous fp32 logits block ``[t, vc]`` into ``dz [t, vc]`` (contiguous)."""
+    lse, entropy, grad_logp, grad_entropy = row_values
+    tc, vc = block.shape
+    grid = (triton.cdiv(tc, TILE_R), triton.cdiv(vc, TILE_V))
+    _dlogits_kernel[grid](block, dz, target, col0, lse, entropy, grad_logp,
+                          grad_entropy if grad_entropy is not None else grad_logp, tc, vc, inv_temp,
+                          HAS_GENT=grad_entropy is not None, TILE_R=TILE_R, TILE_V=TILE_V, num_warps=4)
+
+
+def _aligned(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def chunk_gradients(h, weight, vocab_chunk: int, write_dz, dz_buffer, stride_align: int, dh, d_weight,
+                    accumulate_dw: bool) -> None:
     """``dh[:t]`` (fp32) of one token chunk ``h [t, H]``, and its part of ``d_weight``.
 
-    Per vocab chunk: ``logits_of(v0, vc)`` gives the chunk's fp32 logits block (contiguous ``[t, vc]``),
-    ``_dlogits_kernel`` turns it into dz (input dtype, in ``dz_buffer``), cuBLAS does ``dh += dz W_v`` and
-    ``dW_v (+)= dzᵀ h`` (added to d_weight when ``accumulate_dw``). ``row_values``: the chunk's ``(lse, entropy,
-    grad_logp, grad_entropy or None)``, each ``[t]`` fp32 contiguous.
+    Per vocab chunk: ``write_dz(v0, vc, dz)`` fills the chunk's dz (input dtype, a ``[t, vc]`` view at the start
+    of ``dz_buffer`` whose row stride is vc rounded up to ``stride_align``; 1: contiguous), then cuBLAS does
+    ``dh += dz W_v`` and ``dW_v (+)= dzᵀ h`` (added to d_weight when ``accumulate_dw``).
     """
-    lse, entropy, grad_logp, grad_entropy = row_values
     tc, vocab = h.shape[0], weight.shape[0]
     for v0 in range(0, vocab, vocab_chunk):
         vc = min(vocab_chunk, vocab - v0)
-        block, dz = logits_of(v0, vc), _block(dz_buffer, tc, vc)
-        grid = (triton.cdiv(tc, TILE_R), triton.cdiv(vc, TILE_V))
-        _dlogits_kernel[grid](block, dz, target, v0, lse, entropy, grad_logp,
-                              grad_entropy if grad_entropy is not None else grad_logp, tc, vc, inv_temp,
-                              HAS_GENT=grad_entropy is not None, TILE_R=TILE_R, TILE_V=TILE_V, num_warps=4)
+        stride = _aligned(vc, stride_align)
+        dz = dz_buffer[: tc * stride].view(tc, stride)[:, :vc]
+        write_dz(v0, vc, dz)
         _mm_into(dh[:tc], dz, weight[v0:v0 + vc], accumulate=v0 > 0)
         _mm_into(d_weight[v0:v0 + vc], dz.t(), h, accumulate=accumulate_dw)
 

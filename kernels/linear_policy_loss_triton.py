@@ -17,7 +17,7 @@ bytes), which is why the path needs a workspace holding many tokens' logits (``l
 import torch
 import triton
 
-from .linear_logprobs_triton import _rows_of, chunk_gradients, chunk_stats, store_rows
+from .linear_logprobs_triton import _rows_of, chunk_gradients, chunk_stats, dz_from_logits, store_rows
 from .vocab_stats import RowStats, all_reduce, combine, finalize
 
 
@@ -62,7 +62,8 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
         logp, entropy, lse = finalize(stats)
         logp_out[t0:t0 + tc], entropy_out[t0:t0 + tc] = logp, entropy
         g_lp, g_ent = token_grads(t0, t0 + tc, logp, entropy)
-        chunk_gradients(h, weight, target, vocab_chunk, logits_block, (lse, entropy, g_lp, g_ent), dz_buffer, dh,
-                        d_weight, t0 > 0, inv_temp)
+        row_values = (lse, entropy, g_lp, g_ent)
+        chunk_gradients(h, weight, vocab_chunk, lambda v0, vc, dz: dz_from_logits(
+            logits_block(v0, vc), dz, target, v0, row_values, inv_temp), dz_buffer, 1, dh, d_weight, t0 > 0)
         store_rows(d_hidden, rows, t0, dh[:tc])
     return logp_out, entropy_out, d_hidden, d_weight

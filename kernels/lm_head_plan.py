@@ -78,20 +78,23 @@ def forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: in
     return token_chunk, vocab_chunk
 
 
-def backward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
+def backward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int,
+                  keeps_logits: bool = True):
     """(token chunk, vocab chunk) for the two-pass backward within ``budget`` bytes, the per-row state
     (``row_bytes``) included.
 
     Per token of a chunk: the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row and dh cast
-    to the input dtype for the scatter; at most a quarter of the budget. Per logit of a block: fp32 logits (4 B) + dz in the input dtype, in what is left
-    after the per-row state. The split trades the dh accumulator's read-modify-write per vocab chunk
+    to the input dtype for the scatter; at most a quarter of the budget. Per logit of a block: fp32 logits (4 B,
+    unless ``keeps_logits`` is False: recompute and dz fused, ``lm_head_gemm_triton``) + dz in the input dtype,
+    in what is left after the per-row state. The split trades the dh accumulator's read-modify-write per vocab chunk
     (T·H·8·V/vocab_chunk bytes) against dW's per token chunk (T/token_chunk·V·H·4 bytes); a quarter is near
     the minimum of the sum at H=4096, V=151936 (18.6 GB of traffic at T=16384 against 33 GB with half).
     """
     per_token = width * (4 + (2 * itemsize if gather else 0))
     token_chunk = min(n_rows, round_down((budget // 4) // per_token, align))
     spare = max(0, budget - row_bytes(n_rows, gather) - token_chunk * (per_token + TARGET_BYTES))
-    return token_chunk, min(vocab, round_down(spare // ((4 + itemsize) * token_chunk), align))
+    per_logit = (4 if keeps_logits else 0) + itemsize
+    return token_chunk, min(vocab, round_down(spare // (per_logit * token_chunk), align))
 
 
 def _seconds(flops: float, hbm_bytes: float) -> float:

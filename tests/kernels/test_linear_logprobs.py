@@ -227,6 +227,39 @@ def test_triton_backward_over_many_chunks_equals_one_chunk():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # fp32 summation order differs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("entropy_grad", [True, False], ids=["entropy-grad", "no-entropy-grad"])
+@pytest.mark.parametrize("budget", [16 * H * 8 * 2, 2**30], ids=["many-chunks", "one-chunk"])
+def test_fused_gemm_dz_backward_equals_the_cublas_path(monkeypatch, dtype, entropy_grad, budget):
+    """REDLINE_LM_HEAD_GEMM=triton: the logits recompute and dz in one kernel (TMA descriptors; V=70 leaves a
+    last vocab chunk whose dz rows need a padded stride) give the gradients of cuBLAS + the dz epilogue."""
+    from redline.kernels import linear_logprobs_triton
+
+    hidden, weight, *rest = _backward_inputs()
+    args = (hidden.to(dtype), weight.to(dtype), *rest[:-1], rest[-1] if entropy_grad else None)
+    results = {}
+    for gemm in ("cublas", "triton"):
+        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", gemm)
+        results[gemm] = linear_logprobs_triton.backward(*args, 1.3, 0, workspace_bytes=budget)
+    for fused, unfused in zip(results["triton"], results["cublas"]):
+        # fp32: summation order; bf16: dz is rounded from two differently rounded fp32 logits
+        tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(fused.float(), unfused.float(), **tolerance)
+
+
+def test_fused_gemm_dz_refuses_what_it_cannot_run(monkeypatch):
+    from redline.kernels import linear_logprobs_triton
+
+    args = _backward_inputs()
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="REDLINE_LM_HEAD_GEMM must be"):
+        linear_logprobs_triton.backward(*args, 1.0, 0)
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
+    narrow = (args[0][:, :20].to(torch.bfloat16), args[1][:, :20].to(torch.bfloat16), *args[2:])  # 40-byte rows
+    with pytest.raises(ValueError, match="multiple of 16 .TMA"):
+        linear_logprobs_triton.backward(*narrow, 1.0, 0)
+
+
 def test_cpu_backward_over_many_chunks_equals_one_chunk():
     from redline.kernels import linear_logprobs_cpu
 
@@ -258,7 +291,9 @@ def test_gpu_accuracy_at_a_qwen3_8b_shape(cuda):
 
 
 @pytest.mark.gpu
-def test_gpu_gradients_match_fp64_reference(cuda):
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_gpu_gradients_match_fp64_reference(cuda, monkeypatch, gemm):
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", gemm)  # triton: recompute + dz in one TMA GEMM kernel
     hidden, weight, targets, mask = make_inputs(t=1000, h=1024, v=32003, seed=12, scale=1024 ** -0.5,
                                                 device=cuda)
     g = torch.randn(2, 1000, device=cuda)

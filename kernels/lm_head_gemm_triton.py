@@ -1,0 +1,128 @@
+"""The two-pass backward's logits recompute and dz in one Triton kernel: a persistent TMA GEMM with a dz epilogue.
+
+``REDLINE_LM_HEAD_GEMM=triton`` selects it (``linear_logprobs_triton.backward``); the default, ``cublas``, has
+cuBLAS write each fp32 logits block to the workspace and ``_dlogits_kernel`` read it back. Here each
+``[BLOCK_M, BLOCK_N]`` tile of ``h W_vᵀ`` stays in registers (fp32 accumulator) and only
+``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` leaves, in the input dtype: per logit 2 bytes of HBM
+traffic instead of 4 written + 4 read + 2 written, and the workspace holds dz alone, so vocab chunks are ~3×
+longer (fewer read-modify-writes of the fp32 dh accumulator).
+
+Whether it beats cuBLAS + epilogue depends on this GEMM reaching cuBLAS's throughput: ``benchmarks/bench_lm_head.py``
+runs both side by side. Needs TMA (compute capability ≥ 9.0) and rows of 16-byte multiples (H·itemsize); the
+dz block's row stride is padded to 8 elements for the same reason. On CPU tensors it runs in Triton's
+interpreter (tests).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+GEMM_ENV = "REDLINE_LM_HEAD_GEMM"
+STRIDE_ALIGN = 8  # elements: TMA wants 16-byte row strides (bf16/fp16; fp32 rows need 4)
+
+
+def _interpreting() -> bool:
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _set_block_shapes(nargs) -> None:
+    """Autotuner pre-hook: the descriptors' blocks follow the config being run."""
+    m, n, k = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["h_desc"].block_shape = [m, k]
+    nargs["w_desc"].block_shape = [n, k]
+    nargs["dz_desc"].block_shape = [m, n]
+
+
+def _configs():
+    if _interpreting():
+        return [triton.Config(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2), num_warps=1,
+                              pre_hook=_set_block_shapes)]
+    # Hopper bf16 GEMM tiles; the autotuner keeps the fastest per (rows, columns, width) of a block
+    return [triton.Config(dict(BLOCK_M=128, BLOCK_N=n, BLOCK_K=64, GROUP_M=8), num_stages=s, num_warps=8,
+                          pre_hook=_set_block_shapes) for n, s in ((256, 3), (128, 4), (256, 4))]
+
+
+@triton.jit
+def _tile_of(tile, n_m, n_n, GROUP_M: tl.constexpr):
+    """(m, n) of tile number ``tile`` in GROUP_M-row bands, m fastest: tiles in flight share a few row tiles of h
+    and a few column tiles of W, which stay in L2."""
+    per_band = GROUP_M * n_n
+    first_m = tile // per_band * GROUP_M
+    rows_in_band = tl.minimum(n_m - first_m, GROUP_M)
+    local = tile % per_band
+    return first_m + local % rows_in_band, local // rows_in_band
+
+
+@triton.autotune(configs=_configs(), key=["n_rows", "n_cols", "width"])
+@triton.jit
+def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+                    n_rows, n_cols, width, inv_temp, NUM_PROGRAMS: tl.constexpr, HAS_GENT: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    """dz ``[n_rows, n_cols]`` of ``h [n_rows, width] · W_vᵀ`` (``W_v [n_cols, width]``; its first row is vocab id
+    col0 of y's ids); lse, entropy, g_lp, g_H ``[n_rows]`` fp32. Persistent: NUM_PROGRAMS programs stride over
+    the tiles."""
+    n_m = tl.cdiv(n_rows, BLOCK_M)
+    n_n = tl.cdiv(n_cols, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            a = h_desc.load([pid_m * BLOCK_M, k0])
+            b = w_desc.load([pid_n * BLOCK_N, k0])
+            if UPCAST:  # the interpreter multiplies bf16 incorrectly; fp32 products of bf16 values are exact
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = r < n_rows
+        z = acc * inv_temp
+        lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
+        g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
+        target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
+        p = tl.exp(z - lse[:, None])
+        dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
+        if HAS_GENT:
+            sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
+            g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
+            dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
+        dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (dz * inv_temp).to(dz_desc.dtype))
+
+
+def supported(hidden: torch.Tensor) -> str | None:
+    """None when the fused kernel can run on ``hidden``'s device and width, else why not."""
+    if (hidden.shape[1] * hidden.element_size()) % 16:
+        return f"hidden rows of {hidden.shape[1]} × {hidden.element_size()} bytes are not a multiple of 16 (TMA)"
+    if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device) < (9, 0):
+        return f"{torch.cuda.get_device_name(hidden.device)} has no TMA (needs compute capability 9.0 or newer)"
+    return None
+
+
+def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> None:
+    """Write ``dz [t, vc]`` (a view whose row stride is a multiple of ``STRIDE_ALIGN``) for ``h [t, H]`` and ``w_chunk [vc, H]``
+    (contiguous rows). ``target [t]`` int64 ids (local to the shard), ``row_values``: ``(lse, entropy,
+    grad_logp, grad_entropy or None)``, each ``[t]`` fp32 contiguous."""
+    lse, entropy, grad_logp, grad_entropy = row_values
+    n_rows, n_cols = dz.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    # block shapes are set per config by the autotuner's pre-hook (_set_block_shapes)
+    h_desc, w_desc, dz_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1])
+                               for t in (h, w_chunk, dz))
+    programs = n_programs(h.device)
+    # fp32 inputs ask for an exact product (Triton's default for fp32 dots is tf32); so do the interpreter's
+    # upcast bf16/fp16 tiles
+    upcast = _interpreting() and h.dtype != torch.float32
+    precision = "ieee" if h.dtype == torch.float32 or upcast else "tf32"
+    _gemm_dz_kernel[(programs,)](h_desc, w_desc, dz_desc, target, col0, lse, entropy, grad_logp,
+                                 grad_entropy if grad_entropy is not None else grad_logp, n_rows, n_cols,
+                                 h.shape[1], inv_temp, NUM_PROGRAMS=programs, HAS_GENT=grad_entropy is not None,
+                                 PRECISION=precision, UPCAST=upcast)
+
+
+def n_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
