@@ -1,8 +1,8 @@
 """LM head: per-token log-prob (+ entropy) from hidden states, forward + backward with per-token upstream grads.
 
 Providers side by side in one run (issue 3, "Benchmarks"): redline ``fused_linear_logprobs`` (cuBLAS GEMMs +
-Triton epilogues, and with ``REDLINE_LM_HEAD_GEMM=triton``: the backward's recompute and dz in one Triton GEMM
-kernel); bare cuBLAS
+Triton epilogues, and with ``REDLINE_LM_HEAD_GEMM=triton``: Triton GEMMs with the softmax statistics and dz in
+their epilogues); bare cuBLAS
 ``[T,H]×[H,V]`` logits + dHidden + dW GEMMs (the ceiling without a recompute; baseline of every group);
 eager PyTorch with fp32 logits (slime's method); ``torch.compile`` of that eager function; Liger-Kernel
 (Triton FLCE ``reduction="none"``, fused scaled CE with entropy); cut-cross-entropy (``reduction="none"``).
@@ -77,8 +77,9 @@ def _eager_logprobs(hidden, weight, targets):
 
 
 _compiled_logprobs = torch.compile(_eager_logprobs, dynamic=False)
-# redline with the backward's logits recompute and dz in one Triton GEMM kernel (lm_head_gemm_triton)
-FUSED_BACKWARD = "redline fused_linear_logprobs, Triton GEMM+dz backward"
+# redline with the softmax statistics and dz in Triton GEMM epilogues (REDLINE_LM_HEAD_GEMM=triton,
+# lm_head_gemm_triton)
+FUSED_GEMMS = "redline fused_linear_logprobs, Triton GEMMs with epilogues"
 
 
 def _providers(hidden, weight, targets):
@@ -90,7 +91,7 @@ def _providers(hidden, weight, targets):
 
     providers = {
         "redline fused_linear_logprobs": redline,
-        FUSED_BACKWARD: redline,  # run with REDLINE_LM_HEAD_GEMM=triton (test_logprobs_fwd_bwd sets it)
+        FUSED_GEMMS: redline,  # run with REDLINE_LM_HEAD_GEMM=triton (the tests set it)
         "eager PyTorch fp32 logits": lambda: _eager_logprobs(hidden, weight, targets),
         "torch.compile eager": lambda: _compiled_logprobs(hidden, weight, targets),
     }
@@ -158,12 +159,12 @@ def _bench_three_gemms(gpu_bench, h, v, t, group):
               H=h, V=v, T=t)
 
 
-@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_BACKWARD, "eager PyTorch fp32 logits",
+@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, "eager PyTorch fp32 logits",
                                       "torch.compile eager", "cut-cross-entropy (no entropy)",
                                       "Liger FLCE reduction=none (no entropy)", "Liger fused scaled CE (entropy)"])
 @pytest.mark.parametrize("h,v,t", SHAPES, ids=SHAPE_IDS)
 def test_logprobs_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
-    if provider == FUSED_BACKWARD:
+    if provider == FUSED_GEMMS:
         monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
     hidden, weight, targets, g_logp, g_entropy = _inputs(h, v, t)
     fn = _providers(hidden, weight, targets).get(provider)
@@ -179,9 +180,11 @@ def test_logprobs_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
     _record_accuracy(benchmark, logp, entropy, _fp64_reference(hidden, weight, targets))
 
 
-@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", "torch.compile eager"])
+@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, "torch.compile eager"])
 @pytest.mark.parametrize("h,v,t", SHAPES[1:2], ids=SHAPE_IDS[1:2])
-def test_logprobs_forward(gpu_bench, h, v, t, provider):
+def test_logprobs_forward(gpu_bench, monkeypatch, h, v, t, provider):
+    if provider == FUSED_GEMMS:
+        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
     hidden, weight, targets, *_ = _inputs(h, v, t)
     fn = _providers(hidden, weight, targets)[provider]
 

@@ -16,8 +16,9 @@ written exactly once.
 Why cuBLAS + epilogue rather than one Triton GEMM-with-epilogue kernel: measured on an H100 (H=4096,
 V=151936, T=16384), the fused Triton GEMM forward ran at 53.4 ms against 28.2 ms for the cuBLAS logits GEMM;
 round-tripping the fp32 block through HBM costs 8 bytes per logit (~7 ms at this shape), far less than the gap.
-That kernel loaded its tiles through masked pointer loads; ``REDLINE_LM_HEAD_GEMM=triton`` selects a persistent
-TMA GEMM with the dz epilogue for the backward (``lm_head_gemm_triton``), to be measured against this path.
+That kernel loaded its tiles through masked pointer loads; ``REDLINE_LM_HEAD_GEMM=triton`` selects persistent
+TMA GEMMs with the statistics (forward) and dz (backward) epilogues inside (``lm_head_gemm_triton``), to be
+measured against this path.
 
 On CPU tensors (Triton's interpreter, ``TRITON_INTERPRET=1``) the GEMMs run as fp32 ``torch.mm``.
 """
@@ -155,16 +156,20 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     vocab, width = weight.shape
     if n_rows == 0:
         return RowStats(*torch.zeros((5, 0), dtype=torch.float32, device=hidden.device))
+    fused = fused_gemm(hidden)
     token_chunk, vocab_chunk = forward_plan(n_rows, vocab, width, rows is not None, hidden.element_size(),
-                                            workspace_bytes, ALIGN)
-    pieces = triton.cdiv(vocab, vocab_chunk)
+                                            workspace_bytes, ALIGN, piece=fused.STATS_BLOCK_N if fused else None)
+    pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
     stats = torch.empty((5, n_rows), dtype=torch.float32, device=hidden.device)
     parts = torch.empty((5, token_chunk, pieces), dtype=torch.float32, device=hidden.device)  # one chunk's
-    logits = torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
+    logits = None if fused else torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
     for t0 in range(0, n_rows, token_chunk):
         tc = min(token_chunk, n_rows - t0)
-        chunk_stats(_rows_of(hidden, rows, t0, t0 + tc), weight, _rows_of(targets, rows, t0, t0 + tc) - vocab_offset,
-                    vocab_chunk, lambda v0, vc: _block(logits, tc, vc), parts, inv_temp)
+        h, target = _rows_of(hidden, rows, t0, t0 + tc), _rows_of(targets, rows, t0, t0 + tc) - vocab_offset
+        if fused:
+            fused.gemm_stats(h, weight, target, parts[:, :tc], inv_temp)
+        else:
+            chunk_stats(h, weight, target, vocab_chunk, lambda v0, vc: _block(logits, tc, vc), parts, inv_temp)
         for merged, chunk in zip(stats, combine(RowStats(*parts[:, :tc]))):
             merged[t0:t0 + tc] = chunk
     return RowStats(*stats)
@@ -196,7 +201,7 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     gather = rows is not None
     if n_rows == 0:
         return torch.zeros_like(hidden), torch.zeros_like(weight)
-    fused = fused_gemm_dz(hidden)
+    fused = fused_gemm(hidden)
     d_weight = torch.empty_like(weight)
     d_hidden = torch.zeros_like(hidden) if gather else torch.empty_like(hidden)
     token_chunk, vocab_chunk = backward_plan(n_rows, vocab, width, gather, hidden.element_size(), workspace_bytes,
@@ -226,9 +231,9 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     return d_hidden, d_weight
 
 
-def fused_gemm_dz(hidden):
+def fused_gemm(hidden):
     """``lm_head_gemm_triton`` when ``REDLINE_LM_HEAD_GEMM=triton`` asks for it (ValueError naming the reason
-    when it cannot run on ``hidden``), else None (cuBLAS + ``_dlogits_kernel``)."""
+    when it cannot run on ``hidden``), else None (cuBLAS + ``_stats_kernel`` / ``_dlogits_kernel``)."""
     choice = os.environ.get("REDLINE_LM_HEAD_GEMM") or "cublas"
     if choice not in ("cublas", "triton"):
         raise ValueError(f"REDLINE_LM_HEAD_GEMM must be 'cublas' or 'triton', got {choice!r}")

@@ -1,11 +1,16 @@
-"""The two-pass backward's logits recompute and dz in one Triton kernel: a persistent TMA GEMM with a dz epilogue.
+"""The LM head's logits GEMM with its epilogue in one Triton kernel: persistent TMA GEMMs whose fp32 tiles never
+leave registers.
 
-``REDLINE_LM_HEAD_GEMM=triton`` selects it (``linear_logprobs_triton.backward``); the default, ``cublas``, has
-cuBLAS write each fp32 logits block to the workspace and ``_dlogits_kernel`` read it back. Here each
-``[BLOCK_M, BLOCK_N]`` tile of ``h W_vᵀ`` stays in registers (fp32 accumulator) and only
-``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` leaves, in the input dtype: per logit 2 bytes of HBM
-traffic instead of 4 written + 4 read + 2 written, and the workspace holds dz alone, so vocab chunks are ~3×
-longer (fewer read-modify-writes of the fp32 dh accumulator).
+``REDLINE_LM_HEAD_GEMM=triton`` selects them (``linear_logprobs_triton``); the default, ``cublas``, has cuBLAS
+write each fp32 logits block to the workspace and a Triton kernel read it back (8 bytes of HBM traffic per logit).
+  ``gemm_stats``  forward: each ``[BLOCK_M, STATS_BLOCK_N]`` tile of ``h Wᵀ / τ`` is folded into the softmax
+                  statistics of its rows over its columns (``vocab_stats``: max, Σexp, Σexp·(z − max), target
+                  logit, hit), written as one piece of ``[5, rows, V / STATS_BLOCK_N]`` partials, which
+                  ``vocab_stats.combine`` merges: 20 bytes per row and 256 columns instead of 8 per logit.
+  ``gemm_dz``     two-pass backward: the recomputed tile becomes
+                  ``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` in the input dtype: per logit 2 bytes
+                  instead of 4 written + 4 read + 2 written, and the workspace holds dz alone, so vocab chunks
+                  are ~3× longer (fewer read-modify-writes of the fp32 dh accumulator).
 
 Whether it beats cuBLAS + epilogue depends on this GEMM reaching cuBLAS's throughput: ``benchmarks/bench_lm_head.py``
 runs both side by side. Needs TMA (compute capability ≥ 9.0) and rows of 16-byte multiples (H·itemsize); the
@@ -26,7 +31,7 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def _set_block_shapes(nargs) -> None:
+def _set_dz_blocks(nargs) -> None:
     """Autotuner pre-hook: the descriptors' blocks follow the config being run."""
     m, n, k = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     nargs["h_desc"].block_shape = [m, k]
@@ -34,13 +39,29 @@ def _set_block_shapes(nargs) -> None:
     nargs["dz_desc"].block_shape = [m, n]
 
 
-def _configs():
+def _dz_configs():
     if _interpreting():
         return [triton.Config(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2), num_warps=1,
-                              pre_hook=_set_block_shapes)]
+                              pre_hook=_set_dz_blocks)]
     # Hopper bf16 GEMM tiles; the autotuner keeps the fastest per (rows, columns, width) of a block
     return [triton.Config(dict(BLOCK_M=128, BLOCK_N=n, BLOCK_K=64, GROUP_M=8), num_stages=s, num_warps=8,
-                          pre_hook=_set_block_shapes) for n, s in ((256, 3), (128, 4), (256, 4))]
+                          pre_hook=_set_dz_blocks) for n, s in ((256, 3), (128, 4), (256, 4))]
+
+
+def _stats_configs():
+    if _interpreting():
+        return [triton.Config(dict(BLOCK_M=16, BLOCK_K=16, GROUP_M=2), num_warps=1, pre_hook=_set_stats_blocks)]
+    return [triton.Config(dict(BLOCK_M=m, BLOCK_K=64, GROUP_M=8), num_stages=s, num_warps=8,
+                          pre_hook=_set_stats_blocks) for m, s in ((128, 3), (128, 4), (64, 4))]
+
+
+def _set_stats_blocks(nargs) -> None:
+    nargs["h_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+# columns per statistics piece: fixed across the autotuner's configs, since the partials' layout depends on it
+STATS_BLOCK_N = 16 if _interpreting() else 256
 
 
 @triton.jit
@@ -54,7 +75,7 @@ def _tile_of(tile, n_m, n_n, GROUP_M: tl.constexpr):
     return first_m + local % rows_in_band, local // rows_in_band
 
 
-@triton.autotune(configs=_configs(), key=["n_rows", "n_cols", "width"])
+@triton.autotune(configs=_dz_configs(), key=["n_rows", "n_cols", "width"])
 @triton.jit
 def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
                     n_rows, n_cols, width, inv_temp, NUM_PROGRAMS: tl.constexpr, HAS_GENT: tl.constexpr,
@@ -91,6 +112,63 @@ def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_
         dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (dz * inv_temp).to(dz_desc.dtype))
 
 
+@triton.autotune(configs=_stats_configs(), key=["n_rows", "n_cols", "width"])
+@triton.jit
+def _gemm_stats_kernel(h_desc, w_desc, y_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr, hit_ptr, n_rows, n_cols, width,
+                       inv_temp, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Softmax statistics of ``h [n_rows, width] · Wᵀ / τ`` (``W [n_cols, width]``, y: each row's target id)
+    per BLOCK_N columns: piece ``j`` of row ``r`` goes to ``[r, j]`` of the ``[n_rows, cdiv(n_cols, BLOCK_N)]``
+    outputs."""
+    n_m = tl.cdiv(n_rows, BLOCK_M)
+    n_n = tl.cdiv(n_cols, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            a = h_desc.load([pid_m * BLOCK_M, k0])
+            b = w_desc.load([pid_n * BLOCK_N, k0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = r < n_rows
+        col_ok = (cols < n_cols)[None, :]
+        z = tl.where(col_ok, acc * inv_temp, float("-inf"))
+        m = tl.max(z, axis=1)
+        shifted = tl.where(col_ok, z - m[:, None], 0.0)
+        e = tl.where(col_ok, tl.exp(shifted), 0.0)
+        target = tl.load(y_ptr + r, mask=row_ok, other=-1)
+        is_target = (cols[None, :] == target[:, None]) & col_ok
+        out = r.to(tl.int64) * n_n + pid_n
+        tl.store(m_ptr + out, m, mask=row_ok)
+        tl.store(s_ptr + out, tl.sum(e, axis=1), mask=row_ok)
+        tl.store(w_out_ptr + out, tl.sum(e * shifted, axis=1), mask=row_ok)
+        tl.store(zy_ptr + out, tl.sum(tl.where(is_target, z, 0.0), axis=1), mask=row_ok)
+        tl.store(hit_ptr + out, tl.sum(is_target.to(tl.float32), axis=1), mask=row_ok)
+
+
+def gemm_stats(h, weight, target, parts, inv_temp: float) -> None:
+    """Softmax statistics of ``h [t, H]`` over ``weight [V, H]`` (``target [t]`` ids local to the shard) into
+    ``parts``: five ``[t, cdiv(V, STATS_BLOCK_N)]`` contiguous fp32 tensors (m, s, w, zy, hit), one piece per
+    STATS_BLOCK_N columns, for ``vocab_stats.combine``."""
+    n_rows, n_cols = h.shape[0], weight.shape[0]
+    h_desc, w_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) for t in (h, weight))
+    programs = n_programs(h.device)
+    upcast = _interpreting() and h.dtype != torch.float32
+    _gemm_stats_kernel[(programs,)](h_desc, w_desc, target, *parts, n_rows, n_cols, h.shape[1], inv_temp,
+                                    NUM_PROGRAMS=programs, PRECISION=_precision(h.dtype, upcast), UPCAST=upcast,
+                                    BLOCK_N=STATS_BLOCK_N)
+
+
+def _precision(dtype: torch.dtype, upcast: bool) -> str:
+    # fp32 inputs ask for an exact product (Triton's default for fp32 dots is tf32); so do the interpreter's
+    # upcast bf16/fp16 tiles
+    return "ieee" if dtype == torch.float32 or upcast else "tf32"
+
+
 def supported(hidden: torch.Tensor) -> str | None:
     """None when the fused kernel can run on ``hidden``'s device and width, else why not."""
     if (hidden.shape[1] * hidden.element_size()) % 16:
@@ -108,14 +186,12 @@ def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> N
     n_rows, n_cols = dz.shape
     if n_rows == 0 or n_cols == 0:
         return
-    # block shapes are set per config by the autotuner's pre-hook (_set_block_shapes)
+    # block shapes are set per config by the autotuner's pre-hook (_set_dz_blocks)
     h_desc, w_desc, dz_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1])
                                for t in (h, w_chunk, dz))
     programs = n_programs(h.device)
-    # fp32 inputs ask for an exact product (Triton's default for fp32 dots is tf32); so do the interpreter's
-    # upcast bf16/fp16 tiles
     upcast = _interpreting() and h.dtype != torch.float32
-    precision = "ieee" if h.dtype == torch.float32 or upcast else "tf32"
+    precision = _precision(h.dtype, upcast)
     _gemm_dz_kernel[(programs,)](h_desc, w_desc, dz_desc, target, col0, lse, entropy, grad_logp,
                                  grad_entropy if grad_entropy is not None else grad_logp, n_rows, n_cols,
                                  h.shape[1], inv_temp, NUM_PROGRAMS=programs, HAS_GENT=grad_entropy is not None,

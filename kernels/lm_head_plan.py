@@ -59,16 +59,21 @@ def _pieces(vocab: int, vocab_chunk: int) -> int:
     return -(-vocab // vocab_chunk)
 
 
-def forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
+def forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int,
+                 piece: int | None = None):
     """(token chunk, vocab chunk): fp32 logits block, the chunk's partial statistics (``PIECE_BYTES``) and
     gathered hidden rows within ``budget`` bytes less the per-row state (``row_bytes``).
 
     As many tokens as leave room for a vocab chunk of 8·align columns (2048 on the GPU), then the longest
     vocab chunk that fits: long vocab chunks keep the GEMMs large and the weight is streamed once per token
-    chunk.
+    chunk. ``piece``: the statistics come straight from the GEMM (``lm_head_gemm_triton``), one piece per
+    ``piece`` columns and no logits block: the whole vocabulary per token chunk, as many tokens as fit.
     """
     budget = max(0, budget - row_bytes(n_rows, gather))
     hidden_row = itemsize * width if gather else 0
+    if piece is not None:
+        per_token = PIECE_BYTES * _pieces(vocab, piece) + hidden_row + TARGET_BYTES
+        return min(n_rows, round_down(budget // per_token, align)), vocab
     per_token = 4 * 8 * align + PIECE_BYTES * _pieces(vocab, 8 * align) + hidden_row + TARGET_BYTES
     token_chunk = min(n_rows, round_down(budget // per_token, align))
     spare = max(0, budget - token_chunk * (hidden_row + TARGET_BYTES))

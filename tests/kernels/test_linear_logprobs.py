@@ -9,6 +9,7 @@ import torch
 
 from redline.kernels import fused_linear_logprobs
 from redline.kernels.reference import linear_logprobs_reference
+from redline.kernels.vocab_stats import finalize
 
 T, H, V = 37, 24, 203  # T, V prime-ish: partial tiles on every edge
 TEMPERATURE = 0.7
@@ -245,6 +246,25 @@ def test_fused_gemm_dz_backward_equals_the_cublas_path(monkeypatch, dtype, entro
         # fp32: summation order; bf16: dz is rounded from two differently rounded fp32 logits
         tolerance = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
         torch.testing.assert_close(fused.float(), unfused.float(), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("budget", [4096, 2**30], ids=["many-chunks", "one-chunk"])
+def test_fused_gemm_forward_statistics_equal_the_cublas_path(monkeypatch, dtype, budget):
+    """REDLINE_LM_HEAD_GEMM=triton: statistics folded per 16-column tile in the GEMM kernel (V=70: a partial last
+    tile) equal those of cuBLAS's fp32 blocks + _stats_kernel, also with a row selection and 16-token chunks."""
+    from redline.kernels import linear_logprobs_triton
+
+    hidden, weight, targets, rows = _backward_inputs()[:4]
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    results = {}
+    for gemm in ("cublas", "triton"):
+        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", gemm)
+        results[gemm] = linear_logprobs_triton.forward_stats(hidden, weight, targets, rows, 1.3, 0,
+                                                             workspace_bytes=budget)
+    merged = {gemm: finalize(stats) for gemm, stats in results.items()}
+    for fused, unfused in zip(merged["triton"], merged["cublas"]):
+        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_gemm_dz_refuses_what_it_cannot_run(monkeypatch):
