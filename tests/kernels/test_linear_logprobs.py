@@ -298,7 +298,9 @@ def _fp64_reference_chunked(hidden, weight, targets, mask, temperature, chunk=51
 
 
 @pytest.mark.gpu
-def test_gpu_accuracy_at_a_qwen3_8b_shape(cuda):
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_gpu_accuracy_at_a_qwen3_8b_shape(cuda, monkeypatch, gemm):
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", gemm)  # triton: the statistics in the GEMM kernel's epilogue
     hidden, weight, targets, mask = make_inputs(t=2000, h=4096, v=151936, seed=11, scale=4096 ** -0.5,
                                                 device=cuda)
     logp, entropy = fused_linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE, mask=mask,
@@ -323,8 +325,9 @@ def test_gpu_gradients_match_fp64_reference(cuda, monkeypatch, gemm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all-rows", "masked-rows"])
-def test_gpu_forward_and_backward_stay_within_the_256_mib_workspace(cuda, masked):
+def test_gpu_forward_and_backward_stay_within_the_256_mib_workspace(cuda, monkeypatch, masked, gemm):
     """Each direction within the default 256 MiB beyond inputs, outputs and gradients, per-row state and the
     forward's partial statistics included (cuBLAS's one-time per-thread workspaces made first)."""
     from redline.gpu_memory import make_cublas_workspaces
@@ -335,6 +338,7 @@ def test_gpu_forward_and_backward_stay_within_the_256_mib_workspace(cuda, masked
     weight.requires_grad_()
     # a row mask gathers the selected rows (and scatters dh back): the plans budget those copies too
     mask = torch.arange(t, device=cuda) % 5 != 0 if masked else None
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", gemm)
     make_cublas_workspaces(cuda)
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
