@@ -430,7 +430,7 @@ def _assert_engine_has(engine, trainer):
 
 # -- colocated transition with the embedded engine in its own process ----------------------------------------
 TRANSITION_SIZES = ["8B"]
-ENGINE_ALLOCATORS = ["default", "expandable"]
+ENGINE_ALLOCATORS = ["default", "expandable", "flat"]
 TRANSITION_BUCKET_MIB = {"zero-copy": 2048, "pipelined": 512}
 GEN_BATCH, GEN_PROMPT, GEN_NEW = 8, 32, 16
 TRANSITION_ROUNDS = 3
@@ -445,8 +445,10 @@ def _embedded_engine_process(sync_conn, control_conn, size, allocator):
     """The embedded engine with random weights of a Qwen3 shape; a thread serves the redline sync protocol into
     its parameters (their HF slices; released weights are allocated bucket by bucket as they arrive), the main
     loop answers the colocated step's engine calls. ``allocator``: PyTorch's caching allocator as configured
-    by default (release = cudaFree, resume = cudaMalloc) or with ``expandable_segments`` (pages unmapped and
-    mapped through the driver's virtual memory calls)."""
+    by default (release = cudaFree, resume = cudaMalloc, one per parameter storage), with
+    ``expandable_segments`` (pages unmapped and mapped through the driver's virtual memory calls), or ``flat``:
+    the default allocator with the engine's parameters in one storage (``flat_weights``: one cudaFree, one
+    cudaMalloc)."""
     try:
         if allocator == "expandable":
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
@@ -456,7 +458,7 @@ def _embedded_engine_process(sync_conn, control_conn, size, allocator):
 
         model = from_config(qwen3_config(size), dtype=torch.bfloat16, device=DEVICE, seed=0)
         engine = EmbeddedEngine(model, None, max_batch_size=GEN_BATCH, max_seq_len=GEN_PROMPT + GEN_NEW,
-                                eos_token_ids=())
+                                eos_token_ids=(), flat_weights=allocator == "flat")
         targets = {name: tensor.narrow(0, offset, rows)
                    for name, (tensor, offset, rows) in engine.weights.slices.items()}
         loader = TargetLoader(targets, prepare=engine.weights.resume)

@@ -247,6 +247,33 @@ def test_resumed_weights_are_allocated_by_the_loads_that_write_them(model_dir):
     assert after.output_ids == before.output_ids
 
 
+def test_flat_weights_release_and_resume_as_one_storage_and_restore_generation(model_dir):
+    """flat_weights: the parameters share one storage, generation is unchanged by the flattening, a release frees
+    that storage, the first load of a sync brings all of it back, and reloading restores generation."""
+    def storages(engine):
+        return {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
+
+    async def scenario(engine):
+        [before] = await greedy(engine, PROMPTS[0])
+        saved = [(n, t.clone()) for n, t in _hf_named(engine)]
+        shared = len(storages(engine))
+        await engine.release_memory({"weights", "kv_cache"})
+        released = {p.untyped_storage().nbytes() for p in engine.model.parameters()}
+        await engine.resume_memory({"weights"})
+        await engine.update_weights([saved[:1]], version="1")  # one tensor's load resumes the whole storage
+        resumed = {p.untyped_storage().nbytes() for p in engine.model.parameters()}
+        await engine.update_weights([saved], version="2")
+        await engine.resume_memory({"kv_cache"})
+        [after] = await greedy(engine, PROMPTS[0])
+        return before, after, shared, released, resumed, len(storages(engine))
+
+    [unflat] = run(make_engine(model_dir), lambda e: greedy(e, PROMPTS[0]))
+    before, after, shared, released, resumed, shared_after = run(make_engine(model_dir, flat_weights=True), scenario)
+    assert before.output_ids == unflat.output_ids
+    assert shared == shared_after == 1 and released == {0} and len(resumed) == 1 and 0 not in resumed
+    assert after.output_ids == before.output_ids
+
+
 def _hf_named(engine):
     for name, (tensor, offset, size) in engine.weights.slices.items():
         yield name, tensor.narrow(0, offset, size)
