@@ -8,7 +8,7 @@ import torch
 
 from redline import __version__
 from redline.backends import select_backends
-from redline.extras import available, version
+from redline.extras import available, import_error, version
 
 PACKAGES = {
     "triton": "triton",
@@ -18,6 +18,8 @@ PACKAGES = {
     "flash_attn": "flash-attn",
     "transformers": "transformers",
 }
+# installed packages whose loading is checked too (cheap, and known to be installable but unloadable)
+LOAD_CHECKED = {"flash_attn": "flash_attn.cute"}
 
 
 def software() -> dict:
@@ -29,6 +31,9 @@ def software() -> dict:
     }
     for module, label in PACKAGES.items():
         info[label] = version(module) if available(module) else "missing"
+        error = import_error(LOAD_CHECKED[module]) if module in LOAD_CHECKED and available(module) else None
+        if error is not None:
+            info[label] = f"{info[label]} (installed, but {LOAD_CHECKED[module]} does not load: {error[:200]})"
     return info
 
 

@@ -42,14 +42,20 @@ def available(module: str) -> bool:
 
 
 @functools.cache
-def importable(module: str) -> bool:
-    """True when ``module`` imports (found *and* loadable: a package whose own dependencies are broken, such as a
-    flash-attn-4 wheel next to a mismatched CUTLASS DSL, counts as absent). Imports it once; cached."""
+def import_error(module: str) -> str | None:
+    """Why ``module`` does not import (``"ExcType: message"``), or None when it does. A package can be found and
+    still fail to load (a flash-attn-4 wheel next to a mismatched CUTLASS DSL): this says why. Imports it once;
+    cached."""
     try:
         importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - any failure to load means the feature is unavailable
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 - any failure to load means the feature is unavailable
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def importable(module: str) -> bool:
+    """True when ``module`` imports (found *and* loadable; see ``import_error``)."""
+    return import_error(module) is None
 
 
 def version(module: str) -> str | None:

@@ -4,11 +4,14 @@ Packed (THD) layout: ``q [T, h, d]``, ``k/v [T, h_kv, d]``, sequences delimited 
 no token attends across a sequence boundary. Grouped-query attention: ``h`` is a multiple of ``h_kv``.
 """
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from redline.extras import importable, require
+from redline.extras import available, import_error, require
 
 # Up to this many packed tokens one SDPA call with a block-diagonal causal mask ([T, T] bool) is cheaper than
 # one call per sequence length; above it the mask's T^2 memory and wasted FLOPs win over the launches.
@@ -16,8 +19,18 @@ MASKED_SDPA_MAX_TOKENS = 2048
 
 
 def _flash_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
-        and importable("flash_attn.cute")
+    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    error = import_error("flash_attn.cute")
+    if error is not None and available("flash_attn"):
+        _warn_flash_broken(error)
+    return error is None
+
+
+@functools.cache
+def _warn_flash_broken(error: str) -> None:
+    warnings.warn(f"flash-attn is installed but flash_attn.cute does not load ({error}); attention runs on PyTorch "
+                  f"SDPA instead", RuntimeWarning, stacklevel=3)
 
 
 def flash_attention_usable(q: torch.Tensor) -> bool:
