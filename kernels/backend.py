@@ -1,7 +1,8 @@
 """Which implementation a kernel call runs: Triton for CUDA tensors, PyTorch for CPU tensors.
 
 ``REDLINE_KERNELS_BACKEND=torch|triton`` overrides the choice for every op; ``triton`` on CPU tensors runs
-Triton's interpreter and needs ``TRITON_INTERPRET=1``.
+Triton's interpreter and needs ``TRITON_INTERPRET=1``. ``REDLINE_LM_HEAD_GEMM=cublas|triton`` picks the Triton
+path's LM-head GEMMs (``lm_head_gemm``).
 """
 
 import os
@@ -9,6 +10,8 @@ import os
 import torch
 
 BACKEND_ENV = "REDLINE_KERNELS_BACKEND"
+# the Triton path's LM-head GEMMs: cuBLAS + epilogue kernels (default), or Triton GEMMs with the epilogue inside
+LM_HEAD_GEMM_ENV = "REDLINE_LM_HEAD_GEMM"
 
 
 def choose(device: torch.device) -> str:
@@ -31,3 +34,12 @@ def import_triton_module(name: str):
         if "triton" not in str(exc):
             raise
         raise ImportError("redline.kernels needs triton for CUDA tensors: pip install 'redline[gpu]'") from exc
+
+
+def lm_head_gemm() -> str:
+    """``"cublas"`` (default) or ``"triton"`` (``redline.kernels.lm_head_gemm_triton``); raises naming the
+    variable when it is wrong."""
+    choice = os.environ.get(LM_HEAD_GEMM_ENV) or "cublas"
+    if choice not in ("cublas", "triton"):
+        raise ValueError(f"{LM_HEAD_GEMM_ENV} must be 'cublas' or 'triton', got {choice!r}")
+    return choice

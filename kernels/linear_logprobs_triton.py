@@ -23,12 +23,11 @@ measured against this path.
 On CPU tensors (Triton's interpreter, ``TRITON_INTERPRET=1``) the GEMMs run as fp32 ``torch.mm``.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .backend import lm_head_gemm
 from .lm_head_plan import backward_plan, forward_plan
 from .vocab_stats import RowStats, combine
 
@@ -234,10 +233,7 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
 def fused_gemm(hidden):
     """``lm_head_gemm_triton`` when ``REDLINE_LM_HEAD_GEMM=triton`` asks for it (ValueError naming the reason
     when it cannot run on ``hidden``), else None (cuBLAS + ``_stats_kernel`` / ``_dlogits_kernel``)."""
-    choice = os.environ.get("REDLINE_LM_HEAD_GEMM") or "cublas"
-    if choice not in ("cublas", "triton"):
-        raise ValueError(f"REDLINE_LM_HEAD_GEMM must be 'cublas' or 'triton', got {choice!r}")
-    if choice == "cublas":
+    if lm_head_gemm() == "cublas":
         return None
     from . import lm_head_gemm_triton
 

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-GEMM_ENV = "REDLINE_LM_HEAD_GEMM"
 STRIDE_ALIGN = 8  # elements: TMA wants 16-byte row strides (bf16/fp16; fp32 rows need 4)
 
 
@@ -48,16 +47,16 @@ def _dz_configs():
                           pre_hook=_set_dz_blocks) for n, s in ((256, 3), (128, 4), (256, 4))]
 
 
+def _set_stats_blocks(nargs) -> None:
+    nargs["h_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
 def _stats_configs():
     if _interpreting():
         return [triton.Config(dict(BLOCK_M=16, BLOCK_K=16, GROUP_M=2), num_warps=1, pre_hook=_set_stats_blocks)]
     return [triton.Config(dict(BLOCK_M=m, BLOCK_K=64, GROUP_M=8), num_stages=s, num_warps=8,
                           pre_hook=_set_stats_blocks) for m, s in ((128, 3), (128, 4), (64, 4))]
-
-
-def _set_stats_blocks(nargs) -> None:
-    nargs["h_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 # columns per statistics piece: fixed across the autotuner's configs, since the partials' layout depends on it
