@@ -9,7 +9,7 @@ TP each rank holds shards that SGLang's loader cuts). ``/weights_checker`` exist
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,25 +24,29 @@ class WeightsMismatch(RuntimeError):
     """The server's parameters are not the tensors that were sent."""
 
 
-def sglang_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """HF-named tensors -> SGLang's parameter names and layout (fused parts concatenated). A fused parameter
-    missing one of its parts raises ValueError naming it."""
-    out: dict[str, torch.Tensor] = {}
+def sglang_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors -> ``(SGLang parameter name, tensor)`` in SGLang's layout, fused parts concatenated in
+    SGLang's order whatever order they arrive in. Streamed: a fused parameter is made as soon as its last part
+    has arrived and the caller drops it before the next, so checking a whole model holds one fused copy at a
+    time rather than most of the model again. A fused parameter missing one of its parts raises ValueError
+    naming it."""
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in named:
         parts = name.rsplit(".", 2)  # prefix, module, "weight" / "bias"
-        if len(parts) == 3 and parts[1] in _PART_OF:
-            fused, index = _PART_OF[parts[1]]
-            pieces.setdefault(f"{parts[0]}.{fused}.{parts[2]}", {})[index] = tensor
-        else:
-            out[name] = tensor
+        if not (len(parts) == 3 and parts[1] in _PART_OF):
+            yield name, tensor
+            continue
+        fused, index = _PART_OF[parts[1]]
+        fused_name = f"{parts[0]}.{fused}.{parts[2]}"
+        group = pieces.setdefault(fused_name, {})
+        group[index] = tensor
+        if len(group) == len(FUSED[fused]):
+            del pieces[fused_name]
+            yield fused_name, torch.cat([group[i] for i in range(len(group))], dim=0)
     for name, parts in pieces.items():
         fused = name.rsplit(".", 2)[1]
-        if len(parts) != len(FUSED[fused]):
-            missing = [FUSED[fused][i] for i in range(len(FUSED[fused])) if i not in parts]
-            raise ValueError(f"{name}: the sent tensors lack its part(s) {missing}")
-        out[name] = torch.cat([parts[i] for i in range(len(parts))], dim=0)
-    return out
+        missing = [FUSED[fused][i] for i in range(len(FUSED[fused])) if i not in parts]
+        raise ValueError(f"{name}: the sent tensors lack its part(s) {missing}")
 
 
 def sglang_tensor_hash() -> Hash:
@@ -58,7 +62,7 @@ def sglang_tensor_hash() -> Hash:
 def expected_checksums(named: Iterable[tuple[str, torch.Tensor]], hash_fn: Hash | None = None) -> dict[str, str]:
     """``{SGLang parameter name: "%016x" hash}`` of the sent tensors as the server should hold them."""
     hash_fn = hash_fn or sglang_tensor_hash()
-    return {name: f"{hash_fn(t.contiguous()):016x}" for name, t in sglang_parameters(named).items()}
+    return {name: f"{hash_fn(t.contiguous()):016x}" for name, t in sglang_parameters(named)}
 
 
 def compare_checksums(expected: dict[str, str], answer: dict, url: str) -> None:

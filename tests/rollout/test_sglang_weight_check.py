@@ -37,7 +37,7 @@ def layer_tensors():
 
 def test_parts_are_fused_in_sglang_order_whatever_order_they_arrive_in():
     named = dict(layer_tensors())
-    params = sglang_parameters(named.items())
+    params = dict(sglang_parameters(named.items()))
     prefix = "model.layers.0."
     assert set(params) == {prefix + "self_attn.qkv_proj.weight", prefix + "self_attn.qkv_proj.bias",
                            prefix + "self_attn.o_proj.weight", prefix + "mlp.gate_up_proj.weight",
@@ -52,10 +52,25 @@ def test_parts_are_fused_in_sglang_order_whatever_order_they_arrive_in():
     assert params["model.norm.weight"] is named["model.norm.weight"]
 
 
+def test_each_fused_parameter_is_made_as_its_last_part_arrives():
+    """Streamed: a whole model's check holds one fused copy at a time."""
+    consumed = []
+
+    def arriving():
+        for name, tensor in layer_tensors():
+            consumed.append(name)
+            yield name, tensor
+
+    made_after = {name: consumed[-1] for name, _ in sglang_parameters(arriving())}
+    prefix = "model.layers.0."
+    assert made_after[prefix + "self_attn.qkv_proj.weight"] == prefix + "self_attn.v_proj.weight"
+    assert made_after[prefix + "mlp.gate_up_proj.weight"] == prefix + "mlp.gate_proj.weight"  # up arrived first
+
+
 def test_a_fused_parameter_missing_a_part_is_named():
     named = [(n, t) for n, t in layer_tensors() if n != "model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"mlp\.gate_up_proj\.weight.*'up_proj'"):
-        sglang_parameters(named)
+        dict(sglang_parameters(named))
 
 
 def verify(server, named):
