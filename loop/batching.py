@@ -43,8 +43,9 @@ class MicroBatch:
         return out
 
 
-def pack(samples: list[Sample], sample_ids: list[int], per_token: dict[str, list[torch.Tensor]]) -> MicroBatch:
-    """Pack ``samples[i] for i in sample_ids`` into one stream; ``per_token[name][i]`` is ``[response_length]``."""
+def pack(samples, sample_ids: list[int], per_token: dict) -> MicroBatch:
+    """Pack ``samples[i] for i in sample_ids`` into one stream; ``per_token[name][i]`` is ``[response_length]``.
+    ``samples`` and each ``per_token[name]``: a list, or a dict keyed by sample index (a rank's received share)."""
     ids, targets, mask, cu = [], [], [], [0]
     values = {name: [] for name in per_token}
     for sid in sample_ids:

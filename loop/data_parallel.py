@@ -1,9 +1,10 @@
 """Data parallelism for ``redline train`` under ``torchrun``: every rank a trainer with its own colocated engine.
 
 Each rank generates its shard of every rollout batch (the prompt stream is split by ``DataSource`` rank), scores
-it and computes log-probs and advantages on it (groups never straddle ranks). For training the ranks pool their
-samples, and each optimizer step's token-budget micro-batches are dealt out across the ranks by token load
-(``balance_across_ranks``). Loss weights are normalised by the whole batch's total (``loss_weights``) and
+it and computes log-probs and advantages on it (groups never straddle ranks). For training, each optimizer
+step's token-budget micro-batches are dealt out across the ranks by token load (``balance_across_ranks``, from
+every rank's sample lengths), and each rank then receives from the others only the samples of its own
+micro-batches (``exchange_samples``). Loss weights are normalised by the whole batch's total (``loss_weights``) and
 gradients are averaged over the ranks before clipping, so each optimizer step is the one a single process would
 take on the whole batch, and every rank holds the same weights, which it then pushes into its own engine.
 Metrics are reduced over the ranks; rank 0 writes the files.
@@ -45,15 +46,43 @@ class DataParallel:
         dist.all_reduce(values)
         return values.cpu()
 
-    def pool_samples(self, samples: list, per_token: dict[str, list]) -> tuple[list, dict[str, list]]:
-        """Every rank's samples and per-sample values, concatenated in rank order (the same lists on every rank),
-        so that each optimizer step's micro-batches can be dealt out across ranks by tokens."""
+    def all_lengths(self, lengths: list[int]) -> list[int]:
+        """Every rank's per-sample lengths, concatenated in rank order (the pooled order of
+        ``exchange_samples``); the same list on every rank."""
         if self.world == 1:
-            return samples, per_token
+            return list(lengths)
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, (samples, per_token))
-        pooled = [s for rank_samples, _ in gathered for s in rank_samples]
-        return pooled, {k: [v for _, values in gathered for v in values[k]] for k in per_token}
+        dist.all_gather_object(gathered, list(lengths))
+        return [n for rank_lengths in gathered for n in rank_lengths]
+
+    def exchange_samples(self, samples: list, per_token: dict[str, list], needed: list[list[int]]
+                         ) -> tuple[dict, dict[str, dict]]:
+        """The samples (and their per-sample values) this rank trains on, keyed by pooled index (rank r's i-th
+        sample is ``r · len(samples) + i``; every rank holds the same number). ``needed[r]``: the pooled indices
+        rank r trains on, the same lists on every rank. Each rank sends every other rank only the samples it owns
+        and that rank needs (one scatter per source rank), so a rank receives its share of the rollout, not all
+        of it."""
+        base, count = self.rank * len(samples), len(samples)
+
+        def owned(ids):
+            return [(i, samples[i - base], {k: v[i - base] for k, v in per_token.items()})
+                    for i in ids if base <= i < base + count]
+
+        if self.world == 1:
+            bundles = [owned(needed[0])]
+        else:
+            bundles = []
+            for src in range(self.world):
+                box = [None]
+                dist.scatter_object_list(box, [owned(ids) for ids in needed] if src == self.rank else None,
+                                         src=src)
+                bundles.append(box[0])
+        pool, values = {}, {key: {} for key in per_token}
+        for index, sample, sample_values in (item for bundle in bundles for item in bundle):
+            pool[index] = sample
+            for key, value in sample_values.items():
+                values[key][index] = value
+        return pool, values
 
     def loss_weights(self, units: list[float]) -> list[float]:
         """Per-micro-batch loss weights from this rank's aggregation units (tokens, sequences): each unit over the

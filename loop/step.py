@@ -62,6 +62,15 @@ def global_batch_ids(step: int, global_batch_size: int, per_rank: int, world: in
     return [r * per_rank + i for r in range(world) for i in range(step * size, (step + 1) * size)]
 
 
+def deal(lengths: list[int], ids: list[int], max_tokens: int, world: int) -> list[list[list[int]]]:
+    """One optimizer step's micro-batches per rank: the pooled samples ``ids`` (``lengths`` by pooled index) in
+    token-budget micro-batches, dealt out across the ranks by token load; each micro-batch a list of pooled
+    indices."""
+    step_lengths = [lengths[i] for i in ids]
+    per_rank = balance_across_ranks(split_by_token_budget(step_lengths, max_tokens), step_lengths, world)
+    return [[[ids[j] for j in group] for group in groups] for groups in per_rank]
+
+
 def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     cfg, algo, dp = state.config, state.config.algo, state.dp
     step_start = clock()
@@ -105,14 +114,14 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     # 4. optimizer steps over global batches of packed micro-batches, dealt out across the data-parallel ranks
     t0 = clock()
     train_metrics: list[dict[str, float]] = []
-    pool, pool_values = dp.pool_samples(samples, per_token)
+    lengths = dp.all_lengths([len(s.tokens) for s in samples])
+    schedule = [deal(lengths, global_batch_ids(step, cfg.train.global_batch_size, len(samples), dp.world),
+                     cfg.train.max_tokens_per_gpu, dp.world) for step in range(cfg.train.num_steps_per_rollout)]
+    needed = [sorted({i for per_rank in schedule for group in per_rank[r] for i in group}) for r in range(dp.world)]
+    pool, pool_values = dp.exchange_samples(samples, per_token, needed)
     trained_tokens = 0
-    for step in range(cfg.train.num_steps_per_rollout):
-        ids = global_batch_ids(step, cfg.train.global_batch_size, len(samples), dp.world)
-        lengths = [len(pool[i].tokens) for i in ids]
-        micro = split_by_token_budget(lengths, cfg.train.max_tokens_per_gpu)
-        mine = balance_across_ranks(micro, lengths, dp.world)[dp.rank]
-        batches = [pack(pool, [ids[j] for j in group], pool_values) for group in mine]
+    for per_rank in schedule:
+        batches = [pack(pool, group, pool_values) for group in per_rank[dp.rank]]
         weights = dp.loss_weights([aggregation_weight(b, state.loss_cfg.agg) for b in batches])
         train_metrics.append(state.worker.step(
             batches, weights,

@@ -152,3 +152,27 @@ def test_global_batch_ids_take_each_ranks_slice_of_the_pool():
     assert global_batch_ids(0, 6, 6, 2) == [0, 1, 2, 6, 7, 8]
     assert global_batch_ids(1, 6, 6, 2) == [3, 4, 5, 9, 10, 11]
     assert global_batch_ids(1, 4, 8, 1) == [4, 5, 6, 7]
+
+
+def test_exchange_samples_gives_each_rank_exactly_the_samples_it_trains_on(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.loop.dp_procs import exchange_worker  # importable by the spawned ranks
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(exchange_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
+        results = dict(results)
+    assert results[0] == ({0: "r0s0", 4: "r1s1", 5: "r1s2"}, {"adv": {0: [0.0, 0.0], 4: [11.0, 11.0], 5: [12.0, 12.0]}})
+    assert results[1] == ({1: "r0s1", 2: "r0s2", 3: "r1s0"}, {"adv": {1: [1.0, 1.0], 2: [2.0, 2.0], 3: [10.0, 10.0]}})
+
+
+def test_deal_gives_every_rank_micro_batches_of_pooled_indices_within_the_budget():
+    from redline.loop.step import deal
+
+    lengths = [5, 9, 2, 7, 3, 8, 4, 6]  # by pooled index
+    ids = [0, 1, 2, 4, 5, 6]
+    per_rank = deal(lengths, ids, max_tokens=10, world=2)
+    groups = [group for groups in per_rank for group in groups]
+    assert len(per_rank[0]) == len(per_rank[1]) and sorted(i for g in groups for i in g) == ids
+    assert all(sum(lengths[i] for i in group) <= 10 for group in groups)
