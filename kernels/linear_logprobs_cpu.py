@@ -15,6 +15,11 @@ POLICY_LOSS_WORKSPACE_BYTES = WORKSPACE_BYTES
 ALIGN = 1  # chunk sizes need no rounding for BLAS (``lm_head_plan`` takes it)
 
 
+def fused_piece(hidden) -> None:
+    """The CPU path has no fused GEMMs (``lm_head_plan``'s ``piece``: None)."""
+    return None
+
+
 def _chunks(rows: int, vocab: int, workspace_bytes: int) -> tuple[int, int]:
     """(token chunk, vocab chunk) with token_chunk · vocab_chunk · 4 bytes ≤ workspace_bytes (at least 1 × 1)."""
     vocab_chunk = max(1, min(vocab, workspace_bytes // (4 * max(1, min(rows, 1024)))))

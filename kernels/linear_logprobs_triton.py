@@ -243,6 +243,12 @@ def fused_gemm(hidden):
     return lm_head_gemm_triton
 
 
+def fused_piece(hidden) -> int | None:
+    """Columns per statistics piece of the fused GEMMs when they run (``lm_head_plan``'s ``piece``), else None."""
+    fused = fused_gemm(hidden)
+    return fused.STATS_BLOCK_N if fused else None
+
+
 def dz_from_logits(block, dz, target, col0: int, row_values, inv_temp: float) -> None:
     """``_dlogits_kernel`` over a contiguous fp32 logits block ``[t, vc]`` into ``dz [t, vc]`` (contiguous)."""
     lse, entropy, grad_logp, grad_entropy = row_values

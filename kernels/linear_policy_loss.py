@@ -54,9 +54,11 @@ def _one_pass_backend(device: torch.device):
 
 
 def _plan(cfg: LossConfig, one_pass: Optional[bool], n_rows: int, hidden, weight, gather: bool, budget: int,
-          align: int):
-    """The one-pass ``(token chunk, vocab chunk)``, or None for the two-pass path."""
-    shape = (n_rows, weight.shape[0], weight.shape[1], gather, hidden.element_size(), budget, align)
+          backend):
+    """The one-pass ``(token chunk, vocab chunk)``, or None for the two-pass path (``backend``: the logprobs
+    implementation module, whose alignment and fused GEMMs the plans follow)."""
+    shape = (n_rows, weight.shape[0], weight.shape[1], gather, hidden.element_size(), budget, backend.ALIGN,
+             backend.fused_piece(hidden))
     if one_pass is None:
         one_pass = cfg.estimator in TOKEN_LEVEL_ESTIMATORS and choose_one_pass(*shape)
     elif one_pass and cfg.estimator not in TOKEN_LEVEL_ESTIMATORS:
@@ -66,8 +68,7 @@ def _plan(cfg: LossConfig, one_pass: Optional[bool], n_rows: int, hidden, weight
         return None
     plan = one_pass_plan(*shape)
     if plan is None:
-        raise ValueError(f"workspace_bytes={budget} cannot hold one token's logits ({4 * weight.shape[0]} bytes) "
-                         f"for one_pass=True")
+        raise ValueError(f"workspace_bytes={budget} cannot hold one token's logits and dz for one_pass=True")
     return plan
 
 
@@ -112,7 +113,7 @@ def _loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_log
     budget = workspace_bytes or logprobs_backend.POLICY_LOSS_WORKSPACE_BYTES
     rows = selected_rows(mask)
     n_rows = hidden.shape[0] if rows is None else rows.numel()
-    plan = _plan(cfg, one_pass, n_rows, hidden, weight, rows is not None, budget, logprobs_backend.ALIGN)
+    plan = _plan(cfg, one_pass, n_rows, hidden, weight, rows is not None, budget, logprobs_backend)
     if plan is not None:
         return _one_pass_loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_logp, rollout_logp,
                                         cu_seqlens, cfg, temperature, group, rows, plan)

@@ -12,12 +12,19 @@ Per token chunk of at most ``token chunk`` selected rows (``lm_head_plan.one_pas
      cuBLAS does ``dh += dz W_v`` (fp32 accumulator) and ``dW_v (+)= dzᵀ h``.
 No atomics: dW is bitwise deterministic. dW is read-modify-written once per token chunk (``V·H·2·itemsize``
 bytes), which is why the path needs a workspace holding many tokens' logits (``lm_head_plan``).
+
+With ``REDLINE_LM_HEAD_GEMM=triton`` step 1 is one Triton GEMM (``lm_head_gemm_triton.gemm_stats``) that writes
+the statistics per 128-column piece and keeps each logit as an offset from its piece's max — fp16 for bf16/fp16
+inputs (2 bytes instead of 4: twice the tokens per chunk in the same workspace, half the dW read-modify-writes),
+fp32 for fp32 inputs — and step 3 rebuilds the logits from them (``dz_from_offsets``); the statistics, hence logp,
+entropy and the loss, stay exact fp32, and with fp16 offsets dz carries their rounding (≤ 2⁻¹¹ of the offset) on
+top of its own.
 """
 
 import torch
 import triton
 
-from .linear_logprobs_triton import _rows_of, chunk_gradients, chunk_stats, dz_from_logits, store_rows
+from .linear_logprobs_triton import _rows_of, chunk_gradients, chunk_stats, dz_from_logits, fused_gemm, store_rows
 from .vocab_stats import RowStats, all_reduce, combine, finalize
 
 
@@ -29,7 +36,8 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
     ``(token chunk, vocab chunk)``. ``token_grads(t0, t1, logp, entropy)`` gets the ``[t1 − t0]`` fp32 logp and
     entropy of selected rows t0…t1−1 and returns their ``(d loss/d logp, d loss/d entropy or None)``, ``[t1 − t0]``
     contiguous fp32. d_hidden is this rank's part (the caller sums it over ``group``); unselected rows get zero.
-    Workspace: ``token chunk·(4·V + itemsize·vocab chunk + 4·H [+ itemsize·H with rows])`` bytes.
+    Workspace: ``token chunk·(kept + itemsize·vocab chunk + 4·H [+ itemsize·H with rows])`` bytes, kept = 4·V
+    (fp32 logits) or, fused, 2·V plus the statistics pieces (``lm_head_plan._kept_bytes_per_token``).
     """
     token_chunk, vocab_chunk = plan
     n_rows = hidden.shape[0] if rows is None else rows.numel()
@@ -42,8 +50,13 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
     if n_rows == 0:
         return logp_out, entropy_out, d_hidden, d_weight
     token_chunk = min(token_chunk, n_rows)
-    pieces = triton.cdiv(vocab, vocab_chunk)
-    logits = torch.empty(token_chunk * vocab, dtype=torch.float32, device=device)
+    fused = fused_gemm(hidden)
+    pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
+    if fused:  # each logit kept as an offset from its statistics piece's max (rows padded for TMA)
+        row_stride = -(-vocab // fused.STRIDE_ALIGN) * fused.STRIDE_ALIGN
+        kept = torch.empty(token_chunk * row_stride, dtype=fused.offset_dtype(hidden.dtype), device=device)
+    else:
+        kept = torch.empty(token_chunk * vocab, dtype=torch.float32, device=device)
     dz_buffer = torch.empty(token_chunk * vocab_chunk, dtype=hidden.dtype, device=device)
     dh = torch.empty((token_chunk, width), dtype=torch.float32, device=device)
     parts = torch.empty((5, token_chunk, pieces), dtype=torch.float32, device=device)
@@ -53,9 +66,13 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
         target = _rows_of(targets, rows, t0, t0 + tc) - vocab_offset
 
         def logits_block(v0: int, vc: int) -> torch.Tensor:
-            return logits[tc * v0: tc * (v0 + vc)].view(tc, vc)
+            return kept[tc * v0: tc * (v0 + vc)].view(tc, vc)
 
-        chunk_stats(h, weight, target, vocab_chunk, logits_block, parts, inv_temp)
+        if fused:
+            offsets = kept[:tc * row_stride].view(tc, row_stride)[:, :vocab]
+            fused.gemm_stats(h, weight, target, parts[:, :tc], inv_temp, offsets=offsets)
+        else:
+            chunk_stats(h, weight, target, vocab_chunk, logits_block, parts, inv_temp)
         stats = combine(RowStats(*parts[:, :tc]))
         if group is not None:
             stats = all_reduce(stats, group)
@@ -63,7 +80,13 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
         logp_out[t0:t0 + tc], entropy_out[t0:t0 + tc] = logp, entropy
         g_lp, g_ent = token_grads(t0, t0 + tc, logp, entropy)
         row_values = (lse, entropy, g_lp, g_ent)
-        chunk_gradients(h, weight, vocab_chunk, lambda v0, vc, dz: dz_from_logits(
-            logits_block(v0, vc), dz, target, v0, row_values, inv_temp), dz_buffer, 1, dh, d_weight, t0 > 0)
+
+        def write_dz(v0: int, vc: int, dz: torch.Tensor) -> None:
+            if fused:
+                fused.dz_from_offsets(offsets, parts[0, :tc], dz, target, v0, row_values, inv_temp)
+            else:
+                dz_from_logits(logits_block(v0, vc), dz, target, v0, row_values, inv_temp)
+
+        chunk_gradients(h, weight, vocab_chunk, write_dz, dz_buffer, 1, dh, d_weight, t0 > 0)
         store_rows(d_hidden, rows, t0, dh[:tc])
     return logp_out, entropy_out, d_hidden, d_weight

@@ -52,6 +52,8 @@ def _dz_configs():
 def _set_stats_blocks(nargs) -> None:
     nargs["h_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
     nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs["KEEP_OFFSETS"]:
+        nargs["off_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_N"]]
 
 
 def _stats_configs():
@@ -117,12 +119,14 @@ def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_
 
 @triton.autotune(configs=_stats_configs(), key=["n_rows", "n_cols", "width"])
 @triton.jit
-def _gemm_stats_kernel(h_desc, w_desc, y_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr, hit_ptr, n_rows, n_cols, width,
-                       inv_temp, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _gemm_stats_kernel(h_desc, w_desc, off_desc, y_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr, hit_ptr, n_rows, n_cols,
+                       width, inv_temp, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       KEEP_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Softmax statistics of ``h [n_rows, width] · Wᵀ / τ`` (``W [n_cols, width]``, y: each row's target id)
     per BLOCK_N columns: piece ``j`` of row ``r`` goes to ``[r, j]`` of the ``[n_rows, cdiv(n_cols, BLOCK_N)]``
-    outputs."""
+    outputs. With KEEP_OFFSETS, each logit also goes to ``off_desc`` ``[n_rows, n_cols]`` (fp16 or fp32) as its
+    offset from its piece's max (≤ 0), from which ``_dz_from_offsets_kernel`` rebuilds it."""
     n_m = tl.cdiv(n_rows, BLOCK_M)
     n_n = tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
@@ -151,19 +155,78 @@ def _gemm_stats_kernel(h_desc, w_desc, y_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr, h
         tl.store(w_out_ptr + out, tl.sum(e * shifted, axis=1), mask=row_ok)
         tl.store(zy_ptr + out, tl.sum(tl.where(is_target, z, 0.0), axis=1), mask=row_ok)
         tl.store(hit_ptr + out, tl.sum(is_target.to(tl.float32), axis=1), mask=row_ok)
+        if KEEP_OFFSETS:
+            off_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], shifted.to(off_desc.dtype))
 
 
-def gemm_stats(h, weight, target, parts, inv_temp: float) -> None:
+@triton.jit
+def _dz_from_offsets_kernel(off_ptr, stride_off, m_ptr, n_pieces, dz_ptr, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr,
+                            gent_ptr, n_rows, n_cols, inv_temp, PIECE: tl.constexpr, HAS_GENT: tl.constexpr,
+                            TILE_R: tl.constexpr, TILE_V: tl.constexpr):
+    """dz ``[n_rows, n_cols]`` (contiguous, input dtype) of vocabulary columns col0…col0+n_cols−1, each logit rebuilt
+    as its piece's max (``m [n_rows, n_pieces]``, one per PIECE columns) plus its offset (``off``, row stride
+    ``stride_off``, indexed by vocabulary column)."""
+    r = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
+    cols = tl.program_id(1) * TILE_V + tl.arange(0, TILE_V)
+    row_ok = r < n_rows
+    ok = row_ok[:, None] & (cols < n_cols)[None, :]
+    column = col0 + cols
+    offset = tl.load(off_ptr + r[:, None] * stride_off + column[None, :], mask=ok, other=0.0).to(tl.float32)
+    piece_max = tl.load(m_ptr + r[:, None] * n_pieces + (column // PIECE)[None, :], mask=ok, other=0.0)
+    z = piece_max + offset
+    lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
+    g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
+    target = tl.load(y_ptr + r, mask=row_ok, other=-1)
+    p = tl.exp(z - lse[:, None])
+    dz = g_lp[:, None] * ((column[None, :] == target[:, None]).to(tl.float32) - p)
+    if HAS_GENT:
+        sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
+        g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
+        dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
+    tl.store(dz_ptr + r[:, None] * n_cols + cols[None, :], (dz * inv_temp).to(dz_ptr.dtype.element_ty), mask=ok)
+
+
+def offset_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the one-pass path keeps its logits' offsets in: fp16 for bf16/fp16 inputs (the offsets are ≤ 0 and
+    small where it matters: fp16 rounds them to 2⁻¹¹ relative, finer than the bf16 dz they feed), fp32 for fp32
+    inputs."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+def gemm_stats(h, weight, target, parts, inv_temp: float, offsets=None) -> None:
     """Softmax statistics of ``h [t, H]`` over ``weight [V, H]`` (``target [t]`` ids local to the shard) into
     ``parts``: five ``[t, cdiv(V, STATS_BLOCK_N)]`` contiguous fp32 tensors (m, s, w, zy, hit), one piece per
-    STATS_BLOCK_N columns, for ``vocab_stats.combine``."""
+    STATS_BLOCK_N columns, for ``vocab_stats.combine``. ``offsets``: a ``[t, V]`` view in ``offset_dtype`` (row
+    stride a multiple of ``STRIDE_ALIGN``) that receives each logit's offset from its piece's max, for
+    ``dz_from_offsets`` (the one-pass path keeps its logits that way: 2 bytes each from bf16 inputs)."""
     n_rows, n_cols = h.shape[0], weight.shape[0]
-    h_desc, w_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) for t in (h, weight))
+    h_desc, w_desc, *off_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1])
+                                 for t in (h, weight) + (() if offsets is None else (offsets,)))
     programs = n_programs(h.device)
     upcast = _interpreting() and h.dtype != torch.float32
-    _gemm_stats_kernel[(programs,)](h_desc, w_desc, target, *parts, n_rows, n_cols, h.shape[1], inv_temp,
-                                    NUM_PROGRAMS=programs, PRECISION=_precision(h.dtype, upcast), UPCAST=upcast,
-                                    BLOCK_N=STATS_BLOCK_N)
+    _gemm_stats_kernel[(programs,)](h_desc, w_desc, off_desc[0] if off_desc else w_desc, target, *parts, n_rows,
+                                    n_cols, h.shape[1], inv_temp, NUM_PROGRAMS=programs,
+                                    PRECISION=_precision(h.dtype, upcast), UPCAST=upcast,
+                                    KEEP_OFFSETS=offsets is not None, BLOCK_N=STATS_BLOCK_N)
+
+
+# rows × columns per program of _dz_from_offsets_kernel (4 warps): 32×256 spilled 232 bytes a thread compiled for
+# sm_90, 16×256 nothing
+OFFSETS_TILE = (8, 16) if _interpreting() else (16, 256)
+
+
+def dz_from_offsets(offsets, piece_max, dz, target, col0: int, row_values, inv_temp: float) -> None:
+    """dz ``[t, vc]`` (contiguous, input dtype) of vocabulary columns col0…col0+vc−1 from the one-pass path's kept
+    logits: ``offsets [t, V]`` (``offset_dtype``) and ``piece_max [t, cdiv(V, STATS_BLOCK_N)]`` fp32 (``gemm_stats``'s m).
+    ``row_values`` as ``gemm_dz``'s."""
+    lse, entropy, grad_logp, grad_entropy = row_values
+    n_rows, n_cols = dz.shape
+    tile_r, tile_v = OFFSETS_TILE
+    grid = (triton.cdiv(n_rows, tile_r), triton.cdiv(n_cols, tile_v))
+    _dz_from_offsets_kernel[grid](offsets, offsets.stride(0), piece_max, piece_max.shape[1], dz, target, col0, lse,
+                                  entropy, grad_logp, grad_entropy if grad_entropy is not None else grad_logp,
+                                  n_rows, n_cols, inv_temp, PIECE=STATS_BLOCK_N, HAS_GENT=grad_entropy is not None,
+                                  TILE_R=tile_r, TILE_V=tile_v, num_warps=4)
 
 
 def _precision(dtype: torch.dtype, upcast: bool) -> str:

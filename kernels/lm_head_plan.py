@@ -129,22 +129,34 @@ def _gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chun
 
 
 def two_pass_seconds(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
-                     align: int) -> float:
-    """Modelled time of forward statistics (2·T·H·V) + recompute backward (6·T·H·V)."""
-    tc, vc = forward_plan(n_rows, vocab, width, gather, itemsize, budget, align)
+                     align: int, piece: int | None = None) -> float:
+    """Modelled time of forward statistics (2·T·H·V) + recompute backward (6·T·H·V). ``piece``: the fused
+    GEMMs (``lm_head_gemm_triton``, statistics per ``piece`` columns): no fp32 logits cross HBM."""
+    fp32_round_trip = 0 if piece else 8  # bytes per logit: fp32 written by cuBLAS, read back by the epilogue
+    tc, vc = forward_plan(n_rows, vocab, width, gather, itemsize, budget, align, piece=piece)
     forward = (_weight_read_bytes(n_rows, vocab, width, itemsize, tc)
                + math.ceil(vocab / vc) * n_rows * width * itemsize
-               + n_rows * vocab * 8)  # fp32 logits written by cuBLAS, read by the statistics kernel
-    tc, vc = backward_plan(n_rows, vocab, width, gather, itemsize, budget, align)
+               + n_rows * vocab * fp32_round_trip)
+    tc, vc = backward_plan(n_rows, vocab, width, gather, itemsize, budget, align, keeps_logits=piece is None)
     backward = (_gradient_gemm_bytes(n_rows, vocab, width, itemsize, tc, vc)
-                + n_rows * vocab * (8 + 3 * itemsize))  # fp32 logits written + read; dz written, read by 2 GEMMs
+                + n_rows * vocab * (fp32_round_trip + 3 * itemsize))  # (+) dz written, read by 2 GEMMs
     return _seconds(8 * n_rows * width * vocab, forward + backward)
 
 
-def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int):
+def _kept_bytes_per_token(vocab: int, itemsize: int, piece: int | None) -> int:
+    """A one-pass token's kept logits: fp32 (cuBLAS), or with the fused GEMM (statistics per ``piece`` columns)
+    offsets from each piece's max — fp16 for 2-byte inputs, fp32 for fp32 — rows padded to 8, plus the token's
+    ``[5, pieces]`` fp32 statistics."""
+    if piece is None:
+        return 4 * vocab
+    return (2 if itemsize == 2 else 4) * (-(-vocab // 8) * 8) + 20 * -(-vocab // piece)
+
+
+def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int,
+                  piece: int | None = None):
     """(token chunk, vocab chunk) of the one-pass path, or None when not even one token's logits fit.
 
-    Per token of a chunk: its full-vocabulary fp32 logits (4·V), one vocab chunk of dz in the input dtype,
+    Per token of a chunk: its full-vocabulary logits (``_kept_bytes_per_token``), one vocab chunk of dz in the input dtype,
     the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row and dh cast to the input dtype
     for the scatter. Token chunks are multiples of
     align/4 (64 on the GPU); the vocab chunk (a multiple of align, or all of V) is the one the model rates
@@ -154,34 +166,38 @@ def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: i
     best, best_seconds = None, math.inf
     candidates = sorted({min(vocab, align << k) for k in range(64) if (align << k) < 2 * vocab})
     for vc in candidates:
-        per_token = 4 * vocab + itemsize * vc + width * (4 + (2 * itemsize if gather else 0))
+        per_token = (_kept_bytes_per_token(vocab, itemsize, piece) + itemsize * vc
+                     + width * (4 + (2 * itemsize if gather else 0)))
         fit = budget // per_token
         tc = min(n_rows, fit // token_align * token_align if fit >= token_align else fit)
         if tc <= 0:
             continue
-        seconds = _one_pass_seconds(n_rows, vocab, width, itemsize, tc, vc)
+        seconds = _one_pass_seconds(n_rows, vocab, width, itemsize, tc, vc, piece)
         if seconds <= best_seconds:
             best, best_seconds = (tc, vc), seconds
     return best
 
 
-def _one_pass_seconds(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk) -> float:
+def _one_pass_seconds(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk, piece=None) -> float:
+    # kept logits: fp32 written, read by the statistics and dz kernels (fused: fp16 written, read by dz); dz
+    # written, read by 2 GEMMs
+    kept = (4 if itemsize == 2 else 8) if piece else 12
     hbm_bytes = (_gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk)
-                 # fp32 logits written, read by the statistics and dz kernels; dz written, read by 2 GEMMs
-                 + n_rows * vocab * (12 + 3 * itemsize))
+                 + n_rows * vocab * (kept + 3 * itemsize))
     chunks = math.ceil(n_rows / token_chunk)
     return _seconds(6 * n_rows * width * vocab, hbm_bytes) + chunks * ONE_PASS_CHUNK_SECONDS
 
 
 def one_pass_seconds(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
-                     align: int) -> float:
+                     align: int, piece: int | None = None) -> float:
     """Modelled time of the one-pass path (6·T·H·V); ``inf`` when it does not fit the budget."""
-    plan = one_pass_plan(n_rows, vocab, width, gather, itemsize, budget, align)
-    return math.inf if plan is None else _one_pass_seconds(n_rows, vocab, width, itemsize, *plan)
+    plan = one_pass_plan(n_rows, vocab, width, gather, itemsize, budget, align, piece)
+    return math.inf if plan is None else _one_pass_seconds(n_rows, vocab, width, itemsize, *plan, piece)
 
 
 def choose_one_pass(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
-                    align: int) -> bool:
-    """True when the model rates the one-pass path faster than forward + recompute backward."""
-    args = (n_rows, vocab, width, gather, itemsize, budget, align)
+                    align: int, piece: int | None = None) -> bool:
+    """True when the model rates the one-pass path faster than forward + recompute backward (``piece``: both
+    with the fused GEMMs)."""
+    args = (n_rows, vocab, width, gather, itemsize, budget, align, piece)
     return n_rows > 0 and one_pass_seconds(*args) < two_pass_seconds(*args)

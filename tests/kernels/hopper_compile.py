@@ -30,7 +30,8 @@ def stack_bytes(compiled) -> int:
 
 
 def compile_config(kernel, signature: dict, constexprs: dict, config) -> dict:
-    source = ASTSource(fn=kernel.fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+    jit = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel  # an autotuner wraps the kernel
+    source = ASTSource(fn=jit, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
                        constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": config.num_warps, "num_stages": config.num_stages})
@@ -49,16 +50,31 @@ def dz_configs() -> list[dict]:
     return out
 
 
-def stats_configs() -> list[dict]:
+def stats_configs(keep_offsets: bool) -> list[dict]:
+    """The forward's statistics kernel; ``keep_offsets``: the one-pass variant that also stores fp16 offsets."""
     out = []
     for config in gemm._gemm_stats_kernel.configs:
         m, k, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_K"], gemm.STATS_BLOCK_N
         signature = {"h_desc": f"tensordesc<bf16[{m}, {k}]>", "w_desc": f"tensordesc<bf16[{n}, {k}]>",
+                     "off_desc": f"tensordesc<fp16[{m}, {n}]>" if keep_offsets else f"tensordesc<bf16[{n}, {k}]>",
                      "y_ptr": "*i64", **{f"{x}_ptr": "*fp32" for x in ("m", "s", "w_out", "zy", "hit")}, **COMMON}
         out.append(compile_config(gemm._gemm_stats_kernel, signature, {
-            "NUM_PROGRAMS": 132, "PRECISION": "tf32", "UPCAST": False, "BLOCK_N": n, **config.kwargs}, config))
+            "NUM_PROGRAMS": 132, "PRECISION": "tf32", "UPCAST": False, "KEEP_OFFSETS": keep_offsets,
+            "BLOCK_N": n, **config.kwargs}, config))
     return out
 
 
+def dz_from_offsets_config() -> list[dict]:
+    """The one-pass dz kernel (elementwise, one launch shape)."""
+    signature = {"off_ptr": "*fp16", "stride_off": "i32", "m_ptr": "*fp32", "n_pieces": "i32", "dz_ptr": "*bf16",
+                 "y_ptr": "*i64", "col0": "i32", "lse_ptr": "*fp32", "ent_ptr": "*fp32", "glp_ptr": "*fp32",
+                 "gent_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "inv_temp": "fp32"}
+    tile_r, tile_v = gemm.OFFSETS_TILE
+    config = triton.Config({}, num_warps=4, num_stages=1)
+    return [compile_config(gemm._dz_from_offsets_kernel, signature, {
+        "PIECE": gemm.STATS_BLOCK_N, "HAS_GENT": True, "TILE_R": tile_r, "TILE_V": tile_v}, config)]
+
+
 if __name__ == "__main__":
-    print(json.dumps({"dz": dz_configs(), "stats": stats_configs()}))
+    print(json.dumps({"dz": dz_configs(), "stats": stats_configs(False), "stats+offsets": stats_configs(True),
+                      "dz-from-offsets": dz_from_offsets_config()}))

@@ -83,6 +83,26 @@ def test_triton_one_pass_matches_fp64_reference(monkeypatch, estimator, agg, kl_
     assert_matches_reference(inputs, cfg, run(inputs, cfg, one_pass=True, workspace_bytes=SMALL_WORKSPACE))
 
 
+@pytest.mark.parametrize("estimator,agg,kl_type,tis", TRITON_CONFIGS[::2])
+def test_fused_gemm_one_pass_matches_fp64_reference(monkeypatch, estimator, agg, kl_type, tis):
+    """REDLINE_LM_HEAD_GEMM=triton: statistics from the GEMM kernel, logits kept as fp16 offsets from each
+    16-column piece's max (V=141: a partial last piece, rows padded to 144); loss and metrics exact, gradients
+    within the offsets' rounding."""
+    monkeypatch.setenv("REDLINE_KERNELS_BACKEND", "triton")
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
+    inputs, cfg = make_inputs(), make_config(estimator, kl_type, tis, agg)
+    rows = int(inputs["mask"].sum())
+    token_chunk, _ = lm_head_plan.one_pass_plan(rows, V, H, True, 4, SMALL_WORKSPACE, 16, piece=16)
+    assert -(-rows // token_chunk) >= 3  # several token chunks
+    fused = run(inputs, cfg, one_pass=True, workspace_bytes=SMALL_WORKSPACE)
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "cublas")  # the path test_triton_one_pass_matches_fp64_reference checks
+    unfused = run(inputs, cfg, one_pass=True, workspace_bytes=SMALL_WORKSPACE)
+    for got, want, name in [(fused[0], unfused[0], "loss")] + [(fused[1][k], v, k) for k, v in unfused[1].items()]:
+        assert abs(got.item() - want.item()) <= 1e-6 * max(1.0, abs(want.item())), name  # fp32 summation order
+    for got, want in zip(fused[2:], unfused[2:]):
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
 def test_triton_configs_meet_every_kl_type_and_tis_mode_per_estimator():
     for estimator in ("ppo", "cispo"):
         chosen = [c for c in TRITON_CONFIGS if c[0] == estimator]
