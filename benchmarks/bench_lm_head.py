@@ -218,25 +218,29 @@ def _policy_inputs(h, v, t):
     return hidden, weight, targets, old_logp, ref_logp, advantages, mask
 
 
-# redline variants: (workspace MiB, one_pass) — the default call passes neither (POLICY_LOSS_WORKSPACE_BYTES, the
-# cost model picks the path)
+# redline variants: (workspace MiB, one_pass, fused GEMMs) — the default call passes neither workspace nor path
+# (POLICY_LOSS_WORKSPACE_BYTES, the cost model picks the path); fused: REDLINE_LM_HEAD_GEMM=triton
 REDLINE_POLICY = {
-    "redline fused_linear_policy_loss": (None, None),
-    "redline one-pass 256 MiB": (256, True),
-    "redline one-pass 1 GiB": (1024, True),
-    "redline two-pass 256 MiB": (256, False),
-    "redline two-pass 1 GiB": (1024, False),
+    "redline fused_linear_policy_loss": (None, None, False),
+    "redline one-pass 256 MiB": (256, True, False),
+    "redline one-pass 1 GiB": (1024, True, False),
+    "redline two-pass 256 MiB": (256, False, False),
+    "redline two-pass 1 GiB": (1024, False, False),
+    "redline fused_linear_policy_loss, Triton GEMMs with epilogues": (None, None, True),
+    "redline one-pass 1 GiB, Triton GEMMs with epilogues": (1024, True, True),
 }
 
 
-def _policy_path_info(h, v, t, mib, one_pass) -> dict:
+def _policy_path_info(h, v, t, mib, one_pass, fused) -> dict:
     """Which path a redline variant runs, its FLOPs (6·T·H·V one pass, 8·T·H·V two passes) and the cost model's
     estimate of it (``lm_head_plan``), for the row's extra info."""
     from redline.kernels import lm_head_plan
     from redline.kernels.linear_logprobs_triton import ALIGN, POLICY_LOSS_WORKSPACE_BYTES
+    from redline.kernels.lm_head_gemm_triton import STATS_BLOCK_N
 
     mib = POLICY_LOSS_WORKSPACE_BYTES // 2**20 if mib is None else mib
-    shape = (t, v, h, True, 2, mib * 2**20, ALIGN)  # every row selected; the op gathers the mask's rows
+    # every row selected (the op gathers the mask's rows); fused GEMMs: statistics per STATS_BLOCK_N columns
+    shape = (t, v, h, True, 2, mib * 2**20, ALIGN, STATS_BLOCK_N if fused else None)
     if one_pass is None:
         one_pass = lm_head_plan.choose_one_pass(*shape)
     model = lm_head_plan.one_pass_seconds if one_pass else lm_head_plan.two_pass_seconds
@@ -258,7 +262,7 @@ _compiled_policy_loss = torch.compile(_eager_policy_loss, dynamic=False)
 
 @pytest.mark.parametrize("provider", list(REDLINE_POLICY) + ["torch.compile reference", "LigerFusedLinearGRPOLoss"])
 @pytest.mark.parametrize("h,v,t", POLICY_SHAPES, ids=POLICY_IDS)
-def test_policy_loss_fwd_bwd(gpu_bench, benchmark, h, v, t, provider):
+def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
     """GRPO step from hidden states: clipped surrogate + k3 KL (coef 0.04), token-mean, 1024-token sequences.
 
     redline rows: the default call (no workspace_bytes or one_pass: 1 GiB, path by the cost model) and each path
@@ -272,8 +276,10 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, h, v, t, provider):
     cfg = LossConfig(estimator="ppo", eps_clip=0.2, kl_type="k3", kl_coef=0.04, agg="token-mean")
     flops = 8 * t * h * v
     if provider in REDLINE_POLICY:
-        mib, one_pass = REDLINE_POLICY[provider]
-        info = _policy_path_info(h, v, t, mib, one_pass)
+        mib, one_pass, fused = REDLINE_POLICY[provider]
+        if fused:
+            monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
+        info = _policy_path_info(h, v, t, mib, one_pass, fused)
         flops = info.pop("flops")
         benchmark.extra_info.update(info)
 

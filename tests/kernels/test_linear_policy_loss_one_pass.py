@@ -234,9 +234,11 @@ def gpu_run(inputs, cfg, **options):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
 @pytest.mark.parametrize("estimator,agg,mib", [("ppo", "token-mean", 64), ("cispo", "seq-mean-token-mean", 64),
                                                ("ppo", "seq-mean-token-sum", 16)])
-def test_gpu_one_pass_matches_fp64_reference(cuda, estimator, agg, mib):
+def test_gpu_one_pass_matches_fp64_reference(cuda, monkeypatch, estimator, agg, mib, gemm):
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", gemm)  # triton: statistics in the GEMM, logits kept as fp16 offsets
     # 64 MiB of workspace: 384 tokens a chunk, 7 chunks; 16 MiB: 64 tokens, 38 chunks — dW is rounded to bf16
     # once per chunk (as often as at T=16384 with a 256 MiB workspace at V=151936)
     t, h, v = 3000, 1024, 32003
