@@ -202,11 +202,16 @@ def test_cost_model_fit_reproduces_the_two_one_pass_times_it_was_fitted_to():
 
 
 def test_one_pass_plan_stays_within_the_workspace():
+    _, vocab, width, _, itemsize = H100_SHAPE
     for mib in (256, 1024):
         budget = mib * 2**20
         tc, vc = lm_head_plan.one_pass_plan(*H100_SHAPE, budget, 256)
-        _, vocab, width, _, itemsize = H100_SHAPE
         assert tc * (4 * vocab + itemsize * vc + (4 + 2 * itemsize) * width) <= budget and tc % 64 == 0
+        # fused GEMMs: fp16 offsets in rows padded to 8, the [5, pieces] statistics of 128-column pieces
+        fused_tc, vc = lm_head_plan.one_pass_plan(*H100_SHAPE, budget, 256, piece=128)
+        kept = 2 * (-(-vocab // 8) * 8) + 20 * -(-vocab // 128)
+        assert fused_tc * (kept + itemsize * vc + (4 + 2 * itemsize) * width) <= budget and fused_tc % 64 == 0
+        assert fused_tc >= 1.4 * tc  # the point of keeping 2 bytes a logit
 
 
 # ---------------------------------------------------------------- GPU: realistic shapes, compiled kernels
