@@ -99,6 +99,25 @@ def _stats_kernel(z_ptr, y_ptr, col0, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_ro
 
 
 @triton.jit
+def dz_tile(z, cols, r, row_ok, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp,
+            HAS_GENT: tl.constexpr):
+    """``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` (fp32) of a tile of temperature-scaled logits ``z``
+    (rows ``r``, valid where ``row_ok``; columns ``cols``, column c being id ``c + col0`` of y's target ids), with
+    the per-row lse, entropy, g_lp, g_H loaded here. Every dz kernel (cuBLAS epilogue, fused GEMM, one-pass
+    offsets) computes it through this one function."""
+    lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
+    g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
+    target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
+    p = tl.exp(z - lse[:, None])
+    dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
+    if HAS_GENT:
+        sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
+        g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
+        dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
+    return dz * inv_temp
+
+
+@triton.jit
 def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr, n_rows, n_cols, inv_temp,
                     HAS_GENT: tl.constexpr, TILE_R: tl.constexpr, TILE_V: tl.constexpr):
     """dz (input dtype) of a contiguous fp32 logits block ``[n_rows, n_cols]`` whose first column is id col0 (y:
@@ -109,16 +128,8 @@ def _dlogits_kernel(z_ptr, dz_ptr, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_
     ok = row_ok[:, None] & (cols < n_cols)[None, :]
     offs = r[:, None] * n_cols + cols[None, :]
     z = tl.load(z_ptr + offs, mask=ok, other=0.0) * inv_temp
-    lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
-    g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
-    target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
-    p = tl.exp(z - lse[:, None])
-    dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
-    if HAS_GENT:
-        sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
-        g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
-        dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
-    tl.store(dz_ptr + offs, (dz * inv_temp).to(dz_ptr.dtype.element_ty), mask=ok)
+    dz = dz_tile(z, cols, r, row_ok, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp, HAS_GENT)
+    tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .linear_logprobs_triton import dz_tile
+
 STRIDE_ALIGN = 8  # elements: TMA wants 16-byte row strides (bf16/fp16; fp32 rows need 4)
 
 
@@ -80,6 +82,21 @@ def _tile_of(tile, n_m, n_n, GROUP_M: tl.constexpr):
     return first_m + local % rows_in_band, local // rows_in_band
 
 
+@triton.jit
+def _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile (pid_m, pid_n) of ``h · Wᵀ``, TMA loads feeding the tensor cores."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        a = h_desc.load([pid_m * BLOCK_M, k0])
+        b = w_desc.load([pid_n * BLOCK_N, k0])
+        if UPCAST:  # the interpreter multiplies bf16 incorrectly; fp32 products of bf16 values are exact
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
+
+
 @triton.autotune(configs=_dz_configs(), key=["n_rows", "n_cols", "width"])
 @triton.jit
 def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
@@ -93,28 +110,12 @@ def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_
     n_n = tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            a = h_desc.load([pid_m * BLOCK_M, k0])
-            b = w_desc.load([pid_n * BLOCK_N, k0])
-            if UPCAST:  # the interpreter multiplies bf16 incorrectly; fp32 products of bf16 values are exact
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        acc = _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = r < n_rows
-        z = acc * inv_temp
-        lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
-        g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
-        target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
-        p = tl.exp(z - lse[:, None])
-        dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
-        if HAS_GENT:
-            sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
-            g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
-            dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
-        dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], (dz * inv_temp).to(dz_desc.dtype))
+        dz = dz_tile(acc * inv_temp, cols, r, r < n_rows, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+                     inv_temp, HAS_GENT)
+        dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], dz.to(dz_desc.dtype))
 
 
 @triton.autotune(configs=_stats_configs(), key=["n_rows", "n_cols", "width"])
@@ -131,14 +132,7 @@ def _gemm_stats_kernel(h_desc, w_desc, off_desc, y_ptr, m_ptr, s_ptr, w_out_ptr,
     n_n = tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            a = h_desc.load([pid_m * BLOCK_M, k0])
-            b = w_desc.load([pid_n * BLOCK_N, k0])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        acc = _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = r < n_rows
@@ -173,17 +167,9 @@ def _dz_from_offsets_kernel(off_ptr, stride_off, m_ptr, n_pieces, dz_ptr, y_ptr,
     column = col0 + cols
     offset = tl.load(off_ptr + r[:, None] * stride_off + column[None, :], mask=ok, other=0.0).to(tl.float32)
     piece_max = tl.load(m_ptr + r[:, None] * n_pieces + (column // PIECE)[None, :], mask=ok, other=0.0)
-    z = piece_max + offset
-    lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
-    g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
-    target = tl.load(y_ptr + r, mask=row_ok, other=-1)
-    p = tl.exp(z - lse[:, None])
-    dz = g_lp[:, None] * ((column[None, :] == target[:, None]).to(tl.float32) - p)
-    if HAS_GENT:
-        sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
-        g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
-        dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
-    tl.store(dz_ptr + r[:, None] * n_cols + cols[None, :], (dz * inv_temp).to(dz_ptr.dtype.element_ty), mask=ok)
+    dz = dz_tile(piece_max + offset, cols, r, row_ok, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr, inv_temp,
+                 HAS_GENT)
+    tl.store(dz_ptr + r[:, None] * n_cols + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 def offset_dtype(dtype: torch.dtype) -> torch.dtype:
