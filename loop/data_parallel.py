@@ -56,27 +56,25 @@ class DataParallel:
         return [n for rank_lengths in gathered for n in rank_lengths]
 
     def exchange_samples(self, samples: list, per_token: dict[str, list], needed: list[list[int]]
-                         ) -> tuple[dict, dict[str, dict]]:
+                         ) -> tuple[list | dict, dict[str, list | dict]]:
         """The samples (and their per-sample values) this rank trains on, keyed by pooled index (rank r's i-th
         sample is ``r · len(samples) + i``; every rank holds the same number). ``needed[r]``: the pooled indices
         rank r trains on, the same lists on every rank. Each rank sends every other rank only the samples it owns
         and that rank needs (one scatter per source rank), so a rank receives its share of the rollout, not all
-        of it."""
+        of it. A single process gets its own lists back."""
+        if self.world == 1:  # the pooled indices are this rank's own list positions
+            return samples, per_token
         base, count = self.rank * len(samples), len(samples)
 
         def owned(ids):
             return [(i, samples[i - base], {k: v[i - base] for k, v in per_token.items()})
                     for i in ids if base <= i < base + count]
 
-        if self.world == 1:
-            bundles = [owned(needed[0])]
-        else:
-            bundles = []
-            for src in range(self.world):
-                box = [None]
-                dist.scatter_object_list(box, [owned(ids) for ids in needed] if src == self.rank else None,
-                                         src=src)
-                bundles.append(box[0])
+        bundles = []
+        for src in range(self.world):
+            box = [None]
+            dist.scatter_object_list(box, [owned(ids) for ids in needed] if src == self.rank else None, src=src)
+            bundles.append(box[0])
         pool, values = {}, {key: {} for key in per_token}
         for index, sample, sample_values in (item for bundle in bundles for item in bundle):
             pool[index] = sample

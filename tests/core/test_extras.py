@@ -33,10 +33,14 @@ def broken_flash_attn(tmp_path, monkeypatch):
     (package / "cute").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "cute" / "__init__.py").write_text("raise ImportError('cutlass DSL 9.9 needed')\n")
+    from redline.trainer.models import attention
+
     monkeypatch.syspath_prepend(str(tmp_path))
     extras.import_error.cache_clear()
+    attention._flash_loads.cache_clear()
     yield
     extras.import_error.cache_clear()
+    attention._flash_loads.cache_clear()
     for name in ("flash_attn.cute", "flash_attn"):
         sys.modules.pop(name, None)
 

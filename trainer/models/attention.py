@@ -19,18 +19,17 @@ MASKED_SDPA_MAX_TOKENS = 2048
 
 
 def _flash_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    error = import_error("flash_attn.cute")
-    if error is not None and available("flash_attn"):
-        _warn_flash_broken(error)
-    return error is None
+    return torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_loads()
 
 
 @functools.cache
-def _warn_flash_broken(error: str) -> None:
-    warnings.warn(f"flash-attn is installed but flash_attn.cute does not load ({error}); attention runs on PyTorch "
-                  f"SDPA instead", RuntimeWarning, stacklevel=3)
+def _flash_loads() -> bool:
+    """Whether flash-attn-4 loads, decided once; an installed one that does not load is warned about, once."""
+    error = import_error("flash_attn.cute")
+    if error is not None and available("flash_attn"):
+        warnings.warn(f"flash-attn is installed but flash_attn.cute does not load ({error}); attention runs on "
+                      f"PyTorch SDPA instead", RuntimeWarning, stacklevel=4)
+    return error is None
 
 
 def flash_attention_usable(q: torch.Tensor) -> bool:
