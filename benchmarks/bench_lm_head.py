@@ -1,11 +1,11 @@
 """LM head: per-token log-prob (+ entropy) from hidden states, forward + backward with per-token upstream grads.
 
 Providers side by side in one run (issue 3, "Benchmarks"): redline ``fused_linear_logprobs`` (cuBLAS GEMMs +
-Triton epilogues, and with ``REDLINE_LM_HEAD_GEMM=triton``: Triton GEMMs with the softmax statistics and dz in
-their epilogues); bare cuBLAS
-``[T,H]×[H,V]`` logits + dHidden + dW GEMMs (the ceiling without a recompute; baseline of every group);
-eager PyTorch with fp32 logits (slime's method); ``torch.compile`` of that eager function; Liger-Kernel
-(Triton FLCE ``reduction="none"``, fused scaled CE with entropy); cut-cross-entropy (``reduction="none"``).
+Triton epilogues; with ``REDLINE_LM_HEAD_GEMM=triton``, Triton GEMMs with the softmax statistics and dz in
+their epilogues; with ``triton-dz``, the backward's dz GEMM alone); bare cuBLAS ``[T,H]×[H,V]`` logits +
+dHidden + dW GEMMs (the ceiling without a recompute; baseline of every group); eager PyTorch with fp32 logits
+(slime's method); ``torch.compile`` of that eager function; Liger-Kernel (Triton FLCE ``reduction="none"``,
+fused scaled CE with entropy); cut-cross-entropy (``reduction="none"``).
 Liger and CCE run only where they are installed (``python3 ../shared/device/stage.py anchors``).
 
 The policy-loss groups (a GRPO step from hidden states) compare ``fused_linear_policy_loss`` — the default
@@ -77,9 +77,11 @@ def _eager_logprobs(hidden, weight, targets):
 
 
 _compiled_logprobs = torch.compile(_eager_logprobs, dynamic=False)
-# redline with the softmax statistics and dz in Triton GEMM epilogues (REDLINE_LM_HEAD_GEMM=triton,
-# lm_head_gemm_triton)
+# redline with the softmax statistics and dz in Triton GEMM epilogues (lm_head_gemm_triton): both kernels, or the
+# backward's dz alone; provider -> REDLINE_LM_HEAD_GEMM
 FUSED_GEMMS = "redline fused_linear_logprobs, Triton GEMMs with epilogues"
+FUSED_DZ = "redline fused_linear_logprobs, Triton dz GEMM in backward"
+GEMM_CHOICE = {FUSED_GEMMS: "triton", FUSED_DZ: "triton-dz"}
 
 
 def _providers(hidden, weight, targets):
@@ -91,7 +93,8 @@ def _providers(hidden, weight, targets):
 
     providers = {
         "redline fused_linear_logprobs": redline,
-        FUSED_GEMMS: redline,  # run with REDLINE_LM_HEAD_GEMM=triton (the tests set it)
+        FUSED_GEMMS: redline,  # these two run with REDLINE_LM_HEAD_GEMM set (GEMM_CHOICE; the tests set it)
+        FUSED_DZ: redline,
         "eager PyTorch fp32 logits": lambda: _eager_logprobs(hidden, weight, targets),
         "torch.compile eager": lambda: _compiled_logprobs(hidden, weight, targets),
     }
@@ -159,13 +162,14 @@ def _bench_three_gemms(gpu_bench, h, v, t, group):
               H=h, V=v, T=t)
 
 
-@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, "eager PyTorch fp32 logits",
-                                      "torch.compile eager", "cut-cross-entropy (no entropy)",
-                                      "Liger FLCE reduction=none (no entropy)", "Liger fused scaled CE (entropy)"])
+@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, FUSED_DZ,
+                                      "eager PyTorch fp32 logits", "torch.compile eager",
+                                      "cut-cross-entropy (no entropy)", "Liger FLCE reduction=none (no entropy)",
+                                      "Liger fused scaled CE (entropy)"])
 @pytest.mark.parametrize("h,v,t", SHAPES, ids=SHAPE_IDS)
 def test_logprobs_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
-    if provider == FUSED_GEMMS:
-        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
+    if provider in GEMM_CHOICE:
+        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", GEMM_CHOICE[provider])
     hidden, weight, targets, g_logp, g_entropy = _inputs(h, v, t)
     fn = _providers(hidden, weight, targets).get(provider)
     if fn is None:
@@ -183,8 +187,8 @@ def test_logprobs_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
 @pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, "torch.compile eager"])
 @pytest.mark.parametrize("h,v,t", SHAPES[1:2], ids=SHAPE_IDS[1:2])
 def test_logprobs_forward(gpu_bench, monkeypatch, h, v, t, provider):
-    if provider == FUSED_GEMMS:
-        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
+    if provider in GEMM_CHOICE:
+        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", GEMM_CHOICE[provider])
     hidden, weight, targets, *_ = _inputs(h, v, t)
     fn = _providers(hidden, weight, targets)[provider]
 

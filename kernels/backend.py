@@ -1,8 +1,8 @@
 """Which implementation a kernel call runs: Triton for CUDA tensors, PyTorch for CPU tensors.
 
 ``REDLINE_KERNELS_BACKEND=torch|triton`` overrides the choice for every op; ``triton`` on CPU tensors runs
-Triton's interpreter and needs ``TRITON_INTERPRET=1``. ``REDLINE_LM_HEAD_GEMM=cublas|triton`` picks the Triton
-path's LM-head GEMMs (``lm_head_gemm``).
+Triton's interpreter and needs ``TRITON_INTERPRET=1``. ``REDLINE_LM_HEAD_GEMM=cublas|triton|triton-dz`` picks the
+Triton path's LM-head GEMMs (``lm_head_gemm``).
 """
 
 import os
@@ -12,6 +12,9 @@ import torch
 BACKEND_ENV = "REDLINE_KERNELS_BACKEND"
 # the Triton path's LM-head GEMMs: cuBLAS + epilogue kernels (default), or Triton GEMMs with the epilogue inside
 LM_HEAD_GEMM_ENV = "REDLINE_LM_HEAD_GEMM"
+# which of ``lm_head_gemm_triton``'s kernels each choice runs: ``stats`` (the forward's statistics, and the one-pass
+# loss's statistics + kept offsets), ``dz`` (the two-pass backward's recompute + dz)
+LM_HEAD_GEMM_KERNELS = {"cublas": (), "triton": ("stats", "dz"), "triton-dz": ("dz",)}
 
 
 def choose(device: torch.device) -> str:
@@ -37,9 +40,10 @@ def import_triton_module(name: str):
 
 
 def lm_head_gemm() -> str:
-    """``"cublas"`` (default) or ``"triton"`` (``redline.kernels.lm_head_gemm_triton``); raises naming the
-    variable when it is wrong."""
+    """A key of ``LM_HEAD_GEMM_KERNELS``: ``"cublas"`` (default), ``"triton"`` (every ``lm_head_gemm_triton``
+    kernel) or ``"triton-dz"`` (its backward dz kernel only); raises naming the variable when it is wrong."""
     choice = os.environ.get(LM_HEAD_GEMM_ENV) or "cublas"
-    if choice not in ("cublas", "triton"):
-        raise ValueError(f"{LM_HEAD_GEMM_ENV} must be 'cublas' or 'triton', got {choice!r}")
+    if choice not in LM_HEAD_GEMM_KERNELS:
+        raise ValueError(f"{LM_HEAD_GEMM_ENV} must be one of {', '.join(map(repr, LM_HEAD_GEMM_KERNELS))}, "
+                         f"got {choice!r}")
     return choice

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import lm_head_gemm
+from .backend import LM_HEAD_GEMM_KERNELS, lm_head_gemm
 from .lm_head_plan import backward_plan, forward_plan
 from .vocab_stats import RowStats, combine
 
@@ -166,7 +166,7 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     vocab, width = weight.shape
     if n_rows == 0:
         return RowStats(*torch.zeros((5, 0), dtype=torch.float32, device=hidden.device))
-    fused = fused_gemm(hidden)
+    fused = fused_gemm(hidden, "stats")
     token_chunk, vocab_chunk = forward_plan(n_rows, vocab, width, rows is not None, hidden.element_size(),
                                             workspace_bytes, ALIGN, piece=fused.STATS_BLOCK_N if fused else None)
     pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
@@ -203,15 +203,15 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     """(d_hidden ``[T, H]`` hidden dtype, d_weight ``[V, H]`` weight dtype); unselected rows get zero gradient.
 
     lse, entropy, grad_logp, grad_entropy: ``[R]`` fp32 per selected row (grad_entropy may be None).
-    Extra memory beyond the two gradients: at most ``workspace_bytes``. With ``REDLINE_LM_HEAD_GEMM=triton``
-    the logits recompute and dz are one Triton kernel (``lm_head_gemm_triton``) and no fp32 block is kept.
+    Extra memory beyond the two gradients: at most ``workspace_bytes``. With ``REDLINE_LM_HEAD_GEMM=triton`` or
+    ``triton-dz`` the logits recompute and dz are one Triton kernel (``lm_head_gemm_triton``) and no fp32 block is kept.
     """
     n_rows = lse.numel()
     vocab, width = weight.shape
     gather = rows is not None
     if n_rows == 0:
         return torch.zeros_like(hidden), torch.zeros_like(weight)
-    fused = fused_gemm(hidden)
+    fused = fused_gemm(hidden, "dz")
     d_weight = torch.empty_like(weight)
     d_hidden = torch.zeros_like(hidden) if gather else torch.empty_like(hidden)
     token_chunk, vocab_chunk = backward_plan(n_rows, vocab, width, gather, hidden.element_size(), workspace_bytes,
@@ -241,22 +241,24 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     return d_hidden, d_weight
 
 
-def fused_gemm(hidden):
-    """``lm_head_gemm_triton`` when ``REDLINE_LM_HEAD_GEMM=triton`` asks for it (ValueError naming the reason
-    when it cannot run on ``hidden``), else None (cuBLAS + ``_stats_kernel`` / ``_dlogits_kernel``)."""
-    if lm_head_gemm() == "cublas":
+def fused_gemm(hidden, kernel: str):
+    """``lm_head_gemm_triton`` when ``REDLINE_LM_HEAD_GEMM`` selects its ``kernel`` (``"stats"`` or ``"dz"``;
+    ValueError naming the reason when it cannot run on ``hidden``), else None (cuBLAS + ``_stats_kernel`` /
+    ``_dlogits_kernel``)."""
+    choice = lm_head_gemm()
+    if kernel not in LM_HEAD_GEMM_KERNELS[choice]:
         return None
     from . import lm_head_gemm_triton
 
     why_not = lm_head_gemm_triton.supported(hidden)
     if why_not is not None:
-        raise ValueError(f"REDLINE_LM_HEAD_GEMM=triton: {why_not}; unset it to use cuBLAS")
+        raise ValueError(f"REDLINE_LM_HEAD_GEMM={choice}: {why_not}; unset it to use cuBLAS")
     return lm_head_gemm_triton
 
 
 def fused_piece(hidden) -> int | None:
-    """Columns per statistics piece of the fused GEMMs when they run (``lm_head_plan``'s ``piece``), else None."""
-    fused = fused_gemm(hidden)
+    """Columns per statistics piece when the fused statistics GEMM runs (``lm_head_plan``'s ``piece``), else None."""
+    fused = fused_gemm(hidden, "stats")
     return fused.STATS_BLOCK_N if fused else None
 
 

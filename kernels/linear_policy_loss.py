@@ -155,6 +155,9 @@ def _setup_context(ctx, inputs, output):
     _, metrics, d_hidden, d_weight = output
     ctx.save_for_backward(d_hidden, d_weight)
     ctx.mark_non_differentiable(metrics, d_hidden, d_weight)
+    # No zero-filled upstream gradients for the non-differentiable outputs: for d_hidden and d_weight those would
+    # be one more set of gradients (measured on the H100: the backward's peak grew by exactly their size).
+    ctx.set_materialize_grads(False)
 
 
 def _scaled(grad_loss, d_hidden, d_weight):
@@ -163,7 +166,7 @@ def _scaled(grad_loss, d_hidden, d_weight):
 
 
 def _backward(ctx, grad_loss, _grad_metrics, _grad_dh, _grad_dw):
-    d_hidden, d_weight = _scaled(grad_loss, *ctx.saved_tensors)
+    d_hidden, d_weight = (None, None) if grad_loss is None else _scaled(grad_loss, *ctx.saved_tensors)
     return (d_hidden, d_weight) + (None,) * (len(CONFIG_FIELDS) + 10)
 
 

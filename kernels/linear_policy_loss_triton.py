@@ -50,7 +50,7 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
     if n_rows == 0:
         return logp_out, entropy_out, d_hidden, d_weight
     token_chunk = min(token_chunk, n_rows)
-    fused = fused_gemm(hidden)
+    fused = fused_gemm(hidden, "stats")  # the kept offsets come with the statistics GEMM
     pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
     if fused:  # each logit kept as an offset from its statistics piece's max (rows padded for TMA)
         row_stride = -(-vocab // fused.STRIDE_ALIGN) * fused.STRIDE_ALIGN

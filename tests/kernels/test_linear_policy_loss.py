@@ -100,8 +100,9 @@ def test_compiled_function_calling_the_op_matches_eager(monkeypatch):
         torch.testing.assert_close(comp, eager)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("path", ["one-pass", "two-pass"])
-def test_gradients_computed_in_the_forward_become_grad_without_a_copy(monkeypatch, path):
+def test_gradients_computed_in_the_forward_become_grad_without_a_copy(monkeypatch, path, device):
     """Autograd keeps the op's own gradient tensors as ``.grad`` (a copy would double the gradient memory)."""
     from redline.kernels import linear_policy_loss
 
@@ -114,7 +115,7 @@ def test_gradients_computed_in_the_forward_become_grad_without_a_copy(monkeypatc
         return results
 
     monkeypatch.setattr(linear_policy_loss, "_loss_and_grads", recording)
-    inputs = make_inputs(seed=3)
+    inputs = {name: t.to(device) for name, t in make_inputs(seed=3).items()}
     h, w = inputs["hidden"].clone().requires_grad_(), inputs["weight"].clone().requires_grad_()
     loss, _ = fused_linear_policy_loss(h, w, inputs["targets"], inputs["old_logp"], inputs["advantages"],
                                        inputs["mask"], cfg=CONFIGS["ppo-k3-token-mean"], ref_logp=inputs["ref_logp"],
