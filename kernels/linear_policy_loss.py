@@ -161,8 +161,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _scaled(grad_loss, d_hidden, d_weight):
-    # In place: the saved gradients are used once, and a copy would double the gradient memory.
-    return d_hidden.mul_(grad_loss), d_weight.mul_(grad_loss)
+    """The saved gradients times the upstream scalar, in place (they are used once, and a copy would double the
+    gradient memory); on the Triton path a scale of exactly 1 costs no memory traffic and no host sync."""
+    if choose(d_hidden.device) == "torch":
+        return d_hidden.mul_(grad_loss), d_weight.mul_(grad_loss)
+    scale_ = import_triton_module("scale_triton").scale_
+    return scale_(d_hidden, grad_loss), scale_(d_weight, grad_loss)
 
 
 def _backward(ctx, grad_loss, _grad_metrics, _grad_dh, _grad_dw):
