@@ -2,7 +2,7 @@
 time the GPU sat idle: launch gaps, host work) and the top kernels.
 
     python benchmarks/profile_lm_head.py [--op logprobs|policy] [--tokens 16384] [--hidden 4096]
-        [--vocab 151936] [--out FILE]
+        [--vocab 151936] [--out FILE] [--trace FILE.json]
 
 Same inputs and step as ``bench_lm_head.py``: ``logprobs`` is ``fused_linear_logprobs`` with entropy and per-token
 upstream gradients; ``policy`` is the benchmark's GRPO loss through ``fused_linear_policy_loss`` (default path and
@@ -51,6 +51,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--trace", help="also write a Chrome trace (host and GPU) of one more step to this file")
     args = parser.parse_args()
     step = (logprobs_step if args.op == "logprobs" else policy_step)(args.hidden, args.vocab, args.tokens)
     wall = cuda_time_ms(step)
@@ -63,6 +64,13 @@ def main():
     print(report)
     if args.out:
         Path(args.out).write_text(report + "\n")
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(args.trace)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,12 @@ def check_inputs(hidden, weight, targets, mask, temperature) -> None:
 
 
 def selected_rows(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``[R]`` int64 indices of the True rows, or None for all rows (no mask, or every row True: no gathers)."""
     # One device→host sync (the count of valid rows) buys skipping every masked row's GEMM work.
-    return None if mask is None else mask.nonzero().squeeze(1)
+    if mask is None:
+        return None
+    rows = mask.nonzero().squeeze(1)
+    return None if rows.numel() == mask.numel() else rows
 
 
 def scatter_rows(values: torch.Tensor, rows: Optional[torch.Tensor], n: int) -> torch.Tensor:

@@ -75,13 +75,18 @@ def _plan(cfg: LossConfig, one_pass: Optional[bool], n_rows: int, hidden, weight
 def _one_pass_loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_logp, rollout_logp,
                              cu_seqlens, cfg: LossConfig, temperature: float, group, rows, plan):
     loss_fn = policy_loss_implementation(hidden.device)
-    agg_weights = gather_rows(aggregation_weights(mask, cu_seqlens, cfg.agg, cfg.agg_constant), rows)
-    old, adv, ref, rollout = (gather_rows(t, rows) for t in (old_logp, advantages, ref_logp, rollout_logp))
     # x_t's own gradient: the same implementation with a plain sum over the chunk (S = 1, divisor 1)
     sum_cfg = dataclasses.replace(cfg, agg="seq-mean-token-sum-norm", agg_constant=1.0)
-    everyone = torch.ones(plan[0], dtype=torch.bool, device=hidden.device)
+    per_token = []
 
     def token_grads(t0: int, t1: int, logp, entropy):
+        if not per_token:  # made here, once the first chunk's GEMMs are queued: the GPU works while the host does
+            per_token.extend(gather_rows(t, rows) for t in (
+                aggregation_weights(mask, cu_seqlens, cfg.agg, cfg.agg_constant), old_logp, advantages, ref_logp,
+                rollout_logp))
+            per_token.append(torch.ones(plan[0], dtype=torch.bool, device=hidden.device))
+        agg_weights, old, adv, ref, rollout, everyone = per_token
+
         def part(t):
             return None if t is None else t[t0:t1]
 
