@@ -24,8 +24,9 @@ Which path: ``one_pass=None`` asks the cost model (``lm_head_plan.choose_one_pas
 read-modify-writes dW once per token chunk and a chunk holds about ``workspace_bytes / (4·V)`` tokens, so it
 pays only with a large enough workspace. Measured on an H100 at H=4096, V=151936, T=16384 (bf16): one pass
 113.0 ms vs two passes 134.0 ms with the 1 GiB default, 160.5 vs 140.9 ms with 256 MiB (the model, which
-charges each chunk a fixed cost, picks two passes there). Both paths work with tensor parallelism (the one-pass path all-reduces each
-chunk's statistics: 2 collectives per chunk; 1 more for dHidden at the end).
+charges each chunk a fixed cost, picks two passes there); one pass 106.1 ms after the backward's scale kernel.
+Both paths work with tensor parallelism (the one-pass path all-reduces each chunk's statistics: 2 collectives
+per chunk; 1 more for dHidden at the end).
 """
 
 import dataclasses
