@@ -179,8 +179,10 @@ def test_logprobs_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
         logp, entropy = gpu_bench(lambda: _run_fwd_bwd(fn, hidden, weight, g_logp, g_entropy),
                                   group=f"lm-head fwd+bwd H={h} V={v} T={t}", provider=provider,
                                   flops=8 * t * h * v, H=h, V=v, T=t)
-    except torch.OutOfMemoryError:
-        pytest.skip(f"{provider} ran out of GPU memory at H={h} V={v} T={t}")
+    except Exception as exc:  # a baseline that runs out of memory or lacks a piece it imports late: recorded
+        if provider.startswith("redline"):
+            raise
+        pytest.skip(f"{provider} failed at H={h} V={v} T={t}: {type(exc).__name__}: {str(exc)[:200]}")
     _record_accuracy(benchmark, logp, entropy, _fp64_reference(hidden, weight, targets))
 
 
