@@ -1,8 +1,9 @@
 """LM head: per-token log-prob (+ entropy) from hidden states, forward + backward with per-token upstream grads.
 
-Providers side by side in one run (issue 3, "Benchmarks"): redline ``fused_linear_logprobs`` (cuBLAS GEMMs +
-Triton epilogues; with ``REDLINE_LM_HEAD_GEMM=triton``, Triton GEMMs with the softmax statistics and dz in
-their epilogues; with ``triton-dz``, the backward's dz GEMM alone); bare cuBLAS ``[T,H]×[H,V]`` logits +
+Providers side by side in one run (issue 3, "Benchmarks"): redline ``fused_linear_logprobs`` as it runs by
+default (``REDLINE_LM_HEAD_GEMM=auto``) and with each GEMM choice forced (``cublas``: cuBLAS GEMMs + Triton
+epilogues; ``triton``: Triton GEMMs with the softmax statistics and dz in their epilogues; ``triton-dz``: the
+backward's dz GEMM alone); bare cuBLAS ``[T,H]×[H,V]`` logits +
 dHidden + dW GEMMs (the ceiling without a recompute; baseline of every group); eager PyTorch with fp32 logits
 (slime's method); ``torch.compile`` of that eager function; Liger-Kernel (Triton FLCE ``reduction="none"``,
 fused scaled CE with entropy); cut-cross-entropy (``reduction="none"``).
@@ -77,11 +78,13 @@ def _eager_logprobs(hidden, weight, targets):
 
 
 _compiled_logprobs = torch.compile(_eager_logprobs, dynamic=False)
-# redline with the softmax statistics and dz in Triton GEMM epilogues (lm_head_gemm_triton): both kernels, or the
-# backward's dz alone; provider -> REDLINE_LM_HEAD_GEMM
+# redline's default (REDLINE_LM_HEAD_GEMM=auto) beside each GEMM choice forced: cuBLAS + Triton epilogues alone,
+# the softmax statistics and dz in Triton GEMM epilogues (lm_head_gemm_triton), or the backward's dz alone;
+# provider -> REDLINE_LM_HEAD_GEMM
+CUBLAS_GEMMS = "redline fused_linear_logprobs, cuBLAS GEMMs"
 FUSED_GEMMS = "redline fused_linear_logprobs, Triton GEMMs with epilogues"
 FUSED_DZ = "redline fused_linear_logprobs, Triton dz GEMM in backward"
-GEMM_CHOICE = {FUSED_GEMMS: "triton", FUSED_DZ: "triton-dz"}
+GEMM_CHOICE = {CUBLAS_GEMMS: "cublas", FUSED_GEMMS: "triton", FUSED_DZ: "triton-dz"}
 
 
 def _providers(hidden, weight, targets):
@@ -93,8 +96,7 @@ def _providers(hidden, weight, targets):
 
     providers = {
         "redline fused_linear_logprobs": redline,
-        FUSED_GEMMS: redline,  # these two run with REDLINE_LM_HEAD_GEMM set (GEMM_CHOICE; the tests set it)
-        FUSED_DZ: redline,
+        **dict.fromkeys(GEMM_CHOICE, redline),  # run with REDLINE_LM_HEAD_GEMM set (the tests set it)
         "eager PyTorch fp32 logits": lambda: _eager_logprobs(hidden, weight, targets),
         "torch.compile eager": lambda: _compiled_logprobs(hidden, weight, targets),
     }
@@ -162,7 +164,7 @@ def _bench_three_gemms(gpu_bench, h, v, t, group):
               H=h, V=v, T=t)
 
 
-@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, FUSED_DZ,
+@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", CUBLAS_GEMMS, FUSED_GEMMS, FUSED_DZ,
                                       "eager PyTorch fp32 logits", "torch.compile eager",
                                       "cut-cross-entropy (no entropy)", "Liger FLCE reduction=none (no entropy)",
                                       "Liger fused scaled CE (entropy)"])

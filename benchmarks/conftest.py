@@ -1,7 +1,8 @@
 """Benchmark harness on pytest-benchmark.
 
 Every run records the environment (``redline env``: device, driver, versions) in the JSON's machine_info, and
-every benchmark records NVML clocks/power before and after itself, its shapes, provider and peak extra memory.
+every benchmark records NVML clocks/power before and after itself, its shapes, provider and peak extra memory
+(beyond what was allocated before its warm-up, over one call after the warm-up).
 Providers of one comparison share a ``benchmark.group``; one of them is the baseline, and the terminal summary
 prints each provider's time as a ratio of the baseline's.
 
@@ -75,7 +76,10 @@ def gpu_bench(benchmark):
         for _ in range(warmup):
             fn()
         _synchronize()
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():  # one call's peak after the warm-up: no compilation or autotuning in it
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            _synchronize()
             info["peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
 
         def timed():

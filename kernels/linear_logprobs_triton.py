@@ -19,7 +19,8 @@ round-tripping the fp32 block through HBM costs 8 bytes per logit (~7 ms at this
 That kernel loaded its tiles through masked pointer loads; ``REDLINE_LM_HEAD_GEMM=triton`` / ``triton-dz`` select
 persistent TMA GEMMs with the statistics (forward) and dz (backward) epilogues inside (``lm_head_gemm_triton``):
 measured beside this path, the forward's is still slower (39.6 against 36.3 ms), the backward's faster at long
-batches (fwd+bwd 131.8 against 136.1 ms).
+batches (fwd+bwd 131.8 against 136.1 ms), so by default (``auto``) the backward takes it on Hopper from 16384
+selected rows (``auto_fused_dz``).
 
 On CPU tensors (Triton's interpreter, ``TRITON_INTERPRET=1``) the GEMMs run as fp32 ``torch.mm``.
 """
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import LM_HEAD_GEMM_KERNELS, lm_head_gemm
+from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm
 from .lm_head_plan import backward_plan, forward_plan
 from .vocab_stats import RowStats, combine
 
@@ -205,14 +206,15 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
 
     lse, entropy, grad_logp, grad_entropy: ``[R]`` fp32 per selected row (grad_entropy may be None).
     Extra memory beyond the two gradients: at most ``workspace_bytes``. With ``REDLINE_LM_HEAD_GEMM=triton`` or
-    ``triton-dz`` the logits recompute and dz are one Triton kernel (``lm_head_gemm_triton``) and no fp32 block is kept.
+    ``triton-dz``, and by default where ``auto_fused_dz`` says so, the logits recompute and dz are one Triton
+    kernel (``lm_head_gemm_triton``) and no fp32 block is kept.
     """
     n_rows = lse.numel()
     vocab, width = weight.shape
     gather = rows is not None
     if n_rows == 0:
         return torch.zeros_like(hidden), torch.zeros_like(weight)
-    fused = fused_gemm(hidden, "dz")
+    fused = fused_gemm(hidden, "dz", n_rows)
     d_weight = torch.empty_like(weight)
     d_hidden = torch.zeros_like(hidden) if gather else torch.empty_like(hidden)
     token_chunk, vocab_chunk = backward_plan(n_rows, vocab, width, gather, hidden.element_size(), workspace_bytes,
@@ -242,11 +244,33 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
     return d_hidden, d_weight
 
 
-def fused_gemm(hidden, kernel: str):
+# The default's backward: the Triton dz GEMM where it measured faster than cuBLAS + ``_dlogits_kernel`` (H100,
+# H=4096, V=151936: fwd+bwd 131.8 vs 136.1 ms at 16384 rows, 268.3 vs 281.8 at 32768; 36.2 vs 34.1 at 4096)
+AUTO_DZ_MIN_ROWS = 16384
+AUTO_DZ_CAPABILITY = (9, 0)  # measured on Hopper only
+
+
+def auto_fused_dz(capability: tuple[int, int] | None, n_rows: int, why_not: str | None) -> bool:
+    """Whether ``REDLINE_LM_HEAD_GEMM=auto`` runs the backward's recompute + dz as the Triton GEMM: on the GPU it
+    was measured on (``capability``; None for CPU tensors), for at least AUTO_DZ_MIN_ROWS selected rows, where the
+    kernel can run (``why_not`` None, from ``lm_head_gemm_triton.supported``)."""
+    return capability == AUTO_DZ_CAPABILITY and n_rows >= AUTO_DZ_MIN_ROWS and why_not is None
+
+
+def fused_gemm(hidden, kernel: str, n_rows: int = 0):
     """``lm_head_gemm_triton`` when ``REDLINE_LM_HEAD_GEMM`` selects its ``kernel`` (``"stats"`` or ``"dz"``;
-    ValueError naming the reason when it cannot run on ``hidden``), else None (cuBLAS + ``_stats_kernel`` /
+    ValueError naming the reason when a named choice cannot run on ``hidden``; ``auto`` decides by
+    ``auto_fused_dz`` for the ``n_rows`` selected rows), else None (cuBLAS + ``_stats_kernel`` /
     ``_dlogits_kernel``)."""
     choice = lm_head_gemm()
+    if choice == LM_HEAD_GEMM_AUTO:
+        if kernel != "dz" or not hidden.is_cuda:
+            return None
+        from . import lm_head_gemm_triton
+
+        capability = torch.cuda.get_device_capability(hidden.device)
+        return lm_head_gemm_triton if auto_fused_dz(capability, n_rows, lm_head_gemm_triton.supported(hidden)) \
+            else None
     if kernel not in LM_HEAD_GEMM_KERNELS[choice]:
         return None
     from . import lm_head_gemm_triton

@@ -1,9 +1,9 @@
 """The LM head's logits GEMM with its epilogue in one Triton kernel: persistent TMA GEMMs whose fp32 tiles never
 leave registers.
 
-``REDLINE_LM_HEAD_GEMM=triton`` selects both, ``triton-dz`` the backward's alone (``linear_logprobs_triton``);
-the default, ``cublas``, has cuBLAS
-write each fp32 logits block to the workspace and a Triton kernel read it back (8 bytes of HBM traffic per logit).
+``REDLINE_LM_HEAD_GEMM=triton`` selects both, ``triton-dz`` the backward's alone, and the default ``auto`` the
+backward's where it measured faster (``linear_logprobs_triton.auto_fused_dz``); ``cublas`` has cuBLAS write each
+fp32 logits block to the workspace and a Triton kernel read it back (8 bytes of HBM traffic per logit).
   ``gemm_stats``  forward: each ``[BLOCK_M, STATS_BLOCK_N]`` tile of ``h Wᵀ / τ`` is folded into the softmax
                   statistics of its rows over its columns (``vocab_stats``: max, Σexp, Σexp·(z − max), target
                   logit, hit), written as one piece of ``[5, rows, V / STATS_BLOCK_N]`` partials, which

@@ -267,16 +267,27 @@ def test_fused_gemm_forward_statistics_equal_the_cublas_path(monkeypatch, dtype,
         torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("choice, kernels", [("cublas", ()), ("triton", ("stats", "dz")), ("triton-dz", ("dz",))])
+@pytest.mark.parametrize("choice, kernels", [("cublas", ()), ("triton", ("stats", "dz")), ("triton-dz", ("dz",)),
+                                             ("auto", ())])
 def test_lm_head_gemm_choice_selects_its_fused_kernels(monkeypatch, choice, kernels):
-    """triton-dz: the backward's recompute + dz in the Triton GEMM, the forward's statistics on cuBLAS."""
+    """triton-dz: the backward's recompute + dz in the Triton GEMM, the forward's statistics on cuBLAS; auto (the
+    default) on CPU tensors: cuBLAS's path (``torch.mm`` in the interpreter) for both, at any row count."""
     from redline.kernels import linear_logprobs_triton, lm_head_gemm_triton
 
     monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", choice)
     hidden = _backward_inputs()[0]
-    assert tuple(k for k in ("stats", "dz") if linear_logprobs_triton.fused_gemm(hidden, k)) == kernels
+    assert tuple(k for k in ("stats", "dz") if linear_logprobs_triton.fused_gemm(hidden, k, 10**6)) == kernels
     piece = lm_head_gemm_triton.STATS_BLOCK_N if "stats" in kernels else None
     assert linear_logprobs_triton.fused_piece(hidden) == piece
+
+
+@pytest.mark.parametrize("capability, n_rows, why_not, fused", [
+    ((9, 0), 16384, None, True), ((9, 0), 16383, None, False), ((9, 0), 10**6, "no TMA", False),
+    ((10, 0), 10**6, None, False), ((8, 0), 10**6, None, False), (None, 10**6, None, False)])
+def test_auto_takes_the_dz_gemm_where_it_was_measured_faster(capability, n_rows, why_not, fused):
+    from redline.kernels.linear_logprobs_triton import auto_fused_dz
+
+    assert auto_fused_dz(capability, n_rows, why_not) is fused
 
 
 def test_fused_gemm_dz_refuses_what_it_cannot_run(monkeypatch):
@@ -337,7 +348,7 @@ def test_gpu_gradients_match_fp64_reference(cuda, monkeypatch, gemm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", ["cublas", "triton", "triton-dz"])
+@pytest.mark.parametrize("gemm", ["auto", "cublas", "triton", "triton-dz"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all-rows", "masked-rows"])
 def test_gpu_forward_and_backward_stay_within_the_256_mib_workspace(cuda, monkeypatch, masked, gemm):
     """Each direction within the default 256 MiB beyond inputs, outputs and gradients, per-row state and the
