@@ -70,6 +70,13 @@ def _stats_configs():
                           pre_hook=_set_stats_blocks) for s in (4, 5)]
 
 
+def tuning_key(n: int) -> int:
+    """The autotuners' key for a row or column count: its power-of-two bucket. Keyed by the exact count, every new
+    batch size in an RL run (and every token chunk's tail) would time all configs again, each time holding
+    ``do_bench``'s 256 MB cache-flush buffer beside the op's workspace."""
+    return triton.next_power_of_2(n)
+
+
 # columns per statistics piece: fixed across the autotuner's configs, since the partials' layout depends on it
 STATS_BLOCK_N = 16 if _interpreting() else 128
 
@@ -100,10 +107,11 @@ def _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION: tl.constexpr, U
     return acc
 
 
-@triton.autotune(configs=_dz_configs(), key=["n_rows", "n_cols", "width"])
+@triton.autotune(configs=_dz_configs(), key=["rows_key", "cols_key", "width"])
 @triton.jit
 def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
-                    n_rows, n_cols, width, inv_temp, NUM_PROGRAMS: tl.constexpr, HAS_GENT: tl.constexpr,
+                    n_rows, n_cols, width, inv_temp, rows_key, cols_key, NUM_PROGRAMS: tl.constexpr,
+                    HAS_GENT: tl.constexpr,
                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr):
     """dz ``[n_rows, n_cols]`` of ``h [n_rows, width] · W_vᵀ`` (``W_v [n_cols, width]``; its first row is vocab id
@@ -121,10 +129,11 @@ def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_
         dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], dz.to(dz_desc.dtype))
 
 
-@triton.autotune(configs=_stats_configs(), key=["n_rows", "n_cols", "width"])
+@triton.autotune(configs=_stats_configs(), key=["rows_key", "cols_key", "width"])
 @triton.jit
 def _gemm_stats_kernel(h_desc, w_desc, off_desc, y_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr, hit_ptr, n_rows, n_cols,
-                       width, inv_temp, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       width, inv_temp, rows_key, cols_key, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr,
                        KEEP_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Softmax statistics of ``h [n_rows, width] · Wᵀ / τ`` (``W [n_cols, width]``, y: each row's target id)
@@ -194,7 +203,8 @@ def gemm_stats(h, weight, target, parts, inv_temp: float, offsets=None) -> None:
     programs = n_programs(h.device)
     upcast = _interpreting() and h.dtype != torch.float32
     _gemm_stats_kernel[(programs,)](h_desc, w_desc, off_desc[0] if off_desc else w_desc, target, *parts, n_rows,
-                                    n_cols, h.shape[1], inv_temp, NUM_PROGRAMS=programs,
+                                    n_cols, h.shape[1], inv_temp, tuning_key(n_rows), tuning_key(n_cols),
+                                    NUM_PROGRAMS=programs,
                                     PRECISION=_precision(h.dtype, upcast), UPCAST=upcast,
                                     KEEP_OFFSETS=offsets is not None, BLOCK_N=STATS_BLOCK_N)
 
@@ -249,7 +259,8 @@ def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> N
     precision = _precision(h.dtype, upcast)
     _gemm_dz_kernel[(programs,)](h_desc, w_desc, dz_desc, target, col0, lse, entropy, grad_logp,
                                  grad_entropy if grad_entropy is not None else grad_logp, n_rows, n_cols,
-                                 h.shape[1], inv_temp, NUM_PROGRAMS=programs, HAS_GENT=grad_entropy is not None,
+                                 h.shape[1], inv_temp, tuning_key(n_rows), tuning_key(n_cols),
+                                 NUM_PROGRAMS=programs, HAS_GENT=grad_entropy is not None,
                                  PRECISION=precision, UPCAST=upcast)
 
 

@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from redline.kernels import lm_head_gemm_triton as gemm
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-COMMON = {"n_rows": "i32", "n_cols": "i32", "width": "i32", "inv_temp": "fp32"}
+COMMON = {"n_rows": "i32", "n_cols": "i32", "width": "i32", "inv_temp": "fp32", "rows_key": "i32", "cols_key": "i32"}
 
 
 def stack_bytes(compiled) -> int:

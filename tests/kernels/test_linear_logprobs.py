@@ -290,6 +290,28 @@ def test_auto_takes_the_dz_gemm_where_it_was_measured_faster(capability, n_rows,
     assert auto_fused_dz(capability, n_rows, why_not) is fused
 
 
+def test_fused_gemms_are_tuned_per_power_of_two_bucket_of_rows_and_columns():
+    from redline.kernels.lm_head_gemm_triton import tuning_key
+
+    assert [tuning_key(n) for n in (1, 1000, 1024, 1025, 16000, 16384)] == [1, 1024, 1024, 2048, 16384, 16384]
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_batch_size_in_the_same_bucket_is_not_tuned_again(cuda):
+    """Tuning times every config (with do_bench's 256 MB buffer beside the workspace): once per bucket, not per
+    batch size."""
+    from redline.kernels import lm_head_gemm_triton
+
+    hidden, weight, targets, _ = make_inputs(t=1020, h=1024, v=8192, dtype=torch.bfloat16, seed=15, device=cuda)
+    row = torch.ones(1020, device=cuda)
+    for n in (1000, 1020):  # both in the 1024-row bucket
+        dz = torch.empty(n, 8192, dtype=torch.bfloat16, device=cuda)
+        lm_head_gemm_triton.gemm_dz(hidden[:n], weight, dz, targets[:n], 0, (row[:n], row[:n], row[:n], None), 1.0)
+        if n == 1000:
+            tuned = dict(lm_head_gemm_triton._gemm_dz_kernel.cache)
+    assert lm_head_gemm_triton._gemm_dz_kernel.cache == tuned
+
+
 def test_fused_gemm_dz_refuses_what_it_cannot_run(monkeypatch):
     from redline.kernels import linear_logprobs_triton
 
