@@ -10,7 +10,8 @@ import os
 import torch
 
 BACKEND_ENV = "REDLINE_KERNELS_BACKEND"
-# the Triton path's LM-head GEMMs: cuBLAS + epilogue kernels (default), or Triton GEMMs with the epilogue inside
+# the Triton path's LM-head GEMMs: cuBLAS + epilogue kernels, Triton GEMMs with the epilogue inside, or (default)
+# decided per call
 LM_HEAD_GEMM_ENV = "REDLINE_LM_HEAD_GEMM"
 # which of ``lm_head_gemm_triton``'s kernels each choice runs: ``stats`` (the forward's statistics, and the one-pass
 # loss's statistics + kept offsets), ``dz`` (the two-pass backward's recompute + dz)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm
-from .lm_head_plan import backward_plan, forward_plan
+from .lm_head_plan import backward_plan, forward_plan, round_up
 from .vocab_stats import RowStats, combine
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -221,7 +221,7 @@ def backward(hidden, weight, targets, rows, lse, entropy, grad_logp, grad_entrop
                                              ALIGN, keeps_logits=fused is None)
     logits = None if fused else torch.empty(token_chunk * vocab_chunk, dtype=torch.float32, device=hidden.device)
     stride_align = fused.STRIDE_ALIGN if fused else 1
-    dz_buffer = torch.empty(token_chunk * _aligned(vocab_chunk, stride_align), dtype=hidden.dtype,
+    dz_buffer = torch.empty(token_chunk * round_up(vocab_chunk, stride_align), dtype=hidden.dtype,
                             device=hidden.device)
     dh = torch.empty((token_chunk, width), dtype=torch.float32, device=hidden.device)
     for t0 in range(0, n_rows, token_chunk):
@@ -269,8 +269,8 @@ def fused_gemm(hidden, kernel: str, n_rows: int = 0):
         from . import lm_head_gemm_triton
 
         capability = torch.cuda.get_device_capability(hidden.device)
-        return lm_head_gemm_triton if auto_fused_dz(capability, n_rows, lm_head_gemm_triton.supported(hidden)) \
-            else None
+        fused = auto_fused_dz(capability, n_rows, lm_head_gemm_triton.supported(hidden))
+        return lm_head_gemm_triton if fused else None
     if kernel not in LM_HEAD_GEMM_KERNELS[choice]:
         return None
     from . import lm_head_gemm_triton
@@ -297,10 +297,6 @@ def dz_from_logits(block, dz, target, col0: int, row_values, inv_temp: float) ->
                           HAS_GENT=grad_entropy is not None, TILE_R=TILE_R, TILE_V=TILE_V, num_warps=4)
 
 
-def _aligned(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
 def chunk_gradients(h, weight, vocab_chunk: int, write_dz, dz_buffer, stride_align: int, dh, d_weight,
                     accumulate_dw: bool) -> None:
     """``dh[:t]`` (fp32) of one token chunk ``h [t, H]``, and its part of ``d_weight``.
@@ -312,7 +308,7 @@ def chunk_gradients(h, weight, vocab_chunk: int, write_dz, dz_buffer, stride_ali
     tc, vocab = h.shape[0], weight.shape[0]
     for v0 in range(0, vocab, vocab_chunk):
         vc = min(vocab_chunk, vocab - v0)
-        stride = _aligned(vc, stride_align)
+        stride = round_up(vc, stride_align)
         dz = dz_buffer[: tc * stride].view(tc, stride)[:, :vc]
         write_dz(v0, vc, dz)
         _mm_into(dh[:tc], dz, weight[v0:v0 + vc], accumulate=v0 > 0)

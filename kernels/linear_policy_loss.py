@@ -176,8 +176,8 @@ def _scaled(grad_loss, d_hidden, d_weight):
 
 
 def _backward(ctx, grad_loss, _grad_metrics, _grad_dh, _grad_dw):
-    d_hidden, d_weight = (None, None) if grad_loss is None else _scaled(grad_loss, *ctx.saved_tensors)
-    return (d_hidden, d_weight) + (None,) * (len(CONFIG_FIELDS) + 10)
+    # the loss is the op's one differentiable output, so grad_loss is always given even without materialising
+    return _scaled(grad_loss, *ctx.saved_tensors) + (None,) * (len(CONFIG_FIELDS) + 10)
 
 
 _linear_policy_loss_op.register_autograd(_backward, setup_context=_setup_context)

@@ -25,6 +25,7 @@ import torch
 import triton
 
 from .linear_logprobs_triton import _rows_of, chunk_gradients, chunk_stats, dz_from_logits, fused_gemm, store_rows
+from .lm_head_plan import round_up
 from .vocab_stats import RowStats, all_reduce, combine, finalize
 
 
@@ -53,7 +54,7 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
     fused = fused_gemm(hidden, "stats")  # the kept offsets come with the statistics GEMM
     pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
     if fused:  # each logit kept as an offset from its statistics piece's max (rows padded for TMA)
-        row_stride = -(-vocab // fused.STRIDE_ALIGN) * fused.STRIDE_ALIGN
+        row_stride = round_up(vocab, fused.STRIDE_ALIGN)
         kept = torch.empty(token_chunk * row_stride, dtype=fused.offset_dtype(hidden.dtype), device=device)
     else:
         kept = torch.empty(token_chunk * vocab, dtype=torch.float32, device=device)

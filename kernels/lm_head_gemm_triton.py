@@ -93,9 +93,12 @@ def _tile_of(tile, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 ``[BLOCK_M, BLOCK_N]`` tile (pid_m, pid_n) of ``h · Wᵀ``, TMA loads feeding the tensor cores."""
+def _logits_tile(h_desc, w_desc, tile, n_m, n_n, width, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile number ``tile`` (``_tile_of``) of ``h · Wᵀ``: ``(acc, pid_m, pid_n, rows, cols)``, the fp32
+    ``[BLOCK_M, BLOCK_N]`` product (TMA loads feeding the tensor cores), the tile's coordinates and its row and
+    column indices."""
+    pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
         a = h_desc.load([pid_m * BLOCK_M, k0])
@@ -104,26 +107,23 @@ def _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION: tl.constexpr, U
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-    return acc
+    return acc, pid_m, pid_n, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
 @triton.autotune(configs=_dz_configs(), key=["rows_key", "cols_key", "width"])
 @triton.jit
 def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
                     n_rows, n_cols, width, inv_temp, rows_key, cols_key, NUM_PROGRAMS: tl.constexpr,
-                    HAS_GENT: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    HAS_GENT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """dz ``[n_rows, n_cols]`` of ``h [n_rows, width] · W_vᵀ`` (``W_v [n_cols, width]``; its first row is vocab id
     col0 of y's ids); lse, entropy, g_lp, g_H ``[n_rows]`` fp32. Persistent: NUM_PROGRAMS programs stride over
     the tiles."""
     n_m = tl.cdiv(n_rows, BLOCK_M)
     n_n = tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
-        acc = _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc, pid_m, pid_n, r, cols = _logits_tile(h_desc, w_desc, tile, n_m, n_n, width, PRECISION, UPCAST,
+                                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         dz = dz_tile(acc * inv_temp, cols, r, r < n_rows, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
                      inv_temp, HAS_GENT)
         dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], dz.to(dz_desc.dtype))
@@ -133,9 +133,8 @@ def _gemm_dz_kernel(h_desc, w_desc, dz_desc, y_ptr, col0, lse_ptr, ent_ptr, glp_
 @triton.jit
 def _gemm_stats_kernel(h_desc, w_desc, off_desc, y_ptr, m_ptr, s_ptr, w_out_ptr, zy_ptr, hit_ptr, n_rows, n_cols,
                        width, inv_temp, rows_key, cols_key, NUM_PROGRAMS: tl.constexpr, PRECISION: tl.constexpr,
-                       UPCAST: tl.constexpr,
-                       KEEP_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       UPCAST: tl.constexpr, KEEP_OFFSETS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Softmax statistics of ``h [n_rows, width] · Wᵀ / τ`` (``W [n_cols, width]``, y: each row's target id)
     per BLOCK_N columns: piece ``j`` of row ``r`` goes to ``[r, j]`` of the ``[n_rows, cdiv(n_cols, BLOCK_N)]``
     outputs. With KEEP_OFFSETS, each logit also goes to ``off_desc`` ``[n_rows, n_cols]`` (fp16 or fp32) as its
@@ -143,10 +142,8 @@ def _gemm_stats_kernel(h_desc, w_desc, off_desc, y_ptr, m_ptr, s_ptr, w_out_ptr,
     n_m = tl.cdiv(n_rows, BLOCK_M)
     n_n = tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile, n_m, n_n, GROUP_M)
-        acc = _logits_tile(h_desc, w_desc, pid_m, pid_n, width, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc, pid_m, pid_n, r, cols = _logits_tile(h_desc, w_desc, tile, n_m, n_n, width, PRECISION, UPCAST,
+                                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         row_ok = r < n_rows
         col_ok = (cols < n_cols)[None, :]
         z = tl.where(col_ok, acc * inv_temp, float("-inf"))
@@ -216,8 +213,8 @@ OFFSETS_TILE = (8, 16) if _interpreting() else (16, 256)
 
 def dz_from_offsets(offsets, piece_max, dz, target, col0: int, row_values, inv_temp: float) -> None:
     """dz ``[t, vc]`` (contiguous, input dtype) of vocabulary columns col0…col0+vc−1 from the one-pass path's kept
-    logits: ``offsets [t, V]`` (``offset_dtype``) and ``piece_max [t, cdiv(V, STATS_BLOCK_N)]`` fp32 (``gemm_stats``'s m).
-    ``row_values`` as ``gemm_dz``'s."""
+    logits: ``offsets [t, V]`` (``offset_dtype``) and ``piece_max [t, cdiv(V, STATS_BLOCK_N)]`` fp32
+    (``gemm_stats``'s m). ``row_values`` as ``gemm_dz``'s."""
     lse, entropy, grad_logp, grad_entropy = row_values
     n_rows, n_cols = dz.shape
     tile_r, tile_v = OFFSETS_TILE
@@ -244,9 +241,9 @@ def supported(hidden: torch.Tensor) -> str | None:
 
 
 def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> None:
-    """Write ``dz [t, vc]`` (a view whose row stride is a multiple of ``STRIDE_ALIGN``) for ``h [t, H]`` and ``w_chunk [vc, H]``
-    (contiguous rows). ``target [t]`` int64 ids (local to the shard), ``row_values``: ``(lse, entropy,
-    grad_logp, grad_entropy or None)``, each ``[t]`` fp32 contiguous."""
+    """Write ``dz [t, vc]`` (a view whose row stride is a multiple of ``STRIDE_ALIGN``) for ``h [t, H]`` and
+    ``w_chunk [vc, H]`` (contiguous rows). ``target [t]`` int64 ids (local to the shard), ``row_values``:
+    ``(lse, entropy, grad_logp, grad_entropy or None)``, each ``[t]`` fp32 contiguous."""
     lse, entropy, grad_logp, grad_entropy = row_values
     n_rows, n_cols = dz.shape
     if n_rows == 0 or n_cols == 0:

@@ -39,6 +39,11 @@ def round_down(x: int, k: int) -> int:
     return max(k, x // k * k)
 
 
+def round_up(x: int, k: int) -> int:
+    """The smallest multiple of ``k`` ≥ x (a row padded to ``k`` elements)."""
+    return -(-x // k) * k
+
+
 # Per token and vocab piece of a forward token chunk: its [5, t, pieces] fp32 partial statistics and the
 # temporaries ``vocab_stats.combine`` makes while merging them (six [t, pieces] fp32 at most).
 PIECE_BYTES = 4 * 11
@@ -149,16 +154,16 @@ def _kept_bytes_per_token(vocab: int, itemsize: int, piece: int | None) -> int:
     ``[5, pieces]`` fp32 statistics."""
     if piece is None:
         return 4 * vocab
-    return (2 if itemsize == 2 else 4) * (-(-vocab // 8) * 8) + 20 * -(-vocab // piece)
+    return (2 if itemsize == 2 else 4) * round_up(vocab, 8) + 20 * _pieces(vocab, piece)
 
 
 def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int,
                   piece: int | None = None):
     """(token chunk, vocab chunk) of the one-pass path, or None when not even one token's logits fit.
 
-    Per token of a chunk: its full-vocabulary logits (``_kept_bytes_per_token``), one vocab chunk of dz in the input dtype,
-    the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row and dh cast to the input dtype
-    for the scatter. Token chunks are multiples of
+    Per token of a chunk: its full-vocabulary logits (``_kept_bytes_per_token``), one vocab chunk of dz in the
+    input dtype, the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row and dh cast to the
+    input dtype for the scatter. Token chunks are multiples of
     align/4 (64 on the GPU); the vocab chunk (a multiple of align, or all of V) is the one the model rates
     fastest: longer ones cut the dh read-modify-writes, shorter ones leave room for more tokens.
     """
