@@ -19,6 +19,7 @@ OPTIONAL = {
     "wandb": ("wandb", "wandb"),
     "pyarrow": ("pyarrow", "data"),
     "sympy": ("sympy", "data"),
+    "math_verify": ("math-verify", "data"),
 }
 
 

@@ -1,8 +1,11 @@
 """Math answers: extract the final answer of a response and decide whether it equals the label.
 
 Extraction: the last ``\\boxed{...}`` (braces matched), else a "final answer is X" / "Answer: X" / "#### X"
-phrase. Equality: normalised strings, then numbers, then sympy ``simplify(a - b) == 0`` run in a worker
-process with a timeout (sympy can take unbounded time on adversarial input; a thread cannot be stopped).
+phrase. Equality: normalised strings, then numbers, then HF ``math-verify`` (LaTeX parsed by an ANTLR grammar
+into sympy, then compared symbolically) run in a worker process with a timeout (sympy can take unbounded time on
+adversarial input; a thread cannot be stopped). Nothing a model or a data file wrote is evaluated as Python:
+the parser builds expressions from a grammar, and the only ``parse_expr`` math-verify calls sees strings of
+digits and arithmetic operators. The worker process is defence in depth, not the sandbox.
 """
 
 from __future__ import annotations
@@ -76,34 +79,22 @@ def normalize(answer: str) -> str:
     return s
 
 
-def latex_to_sympy_source(s: str) -> str:
-    """A sympy-parsable string for the LaTeX subset answers use (fractions, roots, powers, pi, products)."""
-    s = _replace_command(s, "\\frac", lambda a, b: f"(({a})/({b}))")
-    s = re.sub(r"\\sqrt\[([^\]]+)\]\{", r"\\root{\1}{", s)
-    s = _replace_command(s, "\\root", lambda n, a: f"(({a})**(1/({n})))")
-    s = _replace_command(s, "\\sqrt", lambda a: f"sqrt({a})")
-    for old, new in (("\\cdot", "*"), ("\\times", "*"), ("\\pi", "pi"), ("\\infty", "oo"), ("^", "**"),
-                     ("{", "("), ("}", ")")):
-        s = s.replace(old, new)
-    return s
+def _math_verify_equal(answer: str, label: str) -> bool:
+    """Symbolic equality of two answers by math-verify (runs in the worker process; its own signal-based
+    timeouts are off: the worker's caller enforces the timeout). Python's ``**`` is read as LaTeX's ``^``."""
+    import logging
 
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-def _sympy_equal(a: str, b: str) -> bool:
-    """Symbolic equality of two normalised answers (runs in the worker process)."""
-    from sympy import simplify
-    from sympy.parsing.sympy_parser import (
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" notice
+    extraction = [LatexExtractionConfig(), ExprExtractionConfig()]
 
-    transformations = standard_transformations + (implicit_multiplication_application,)
-    try:
-        x = parse_expr(latex_to_sympy_source(a), transformations=transformations, evaluate=True)
-        y = parse_expr(latex_to_sympy_source(b), transformations=transformations, evaluate=True)
-        return bool(simplify(x - y) == 0)
-    except Exception:  # noqa: BLE001 - unparsable answers are simply not equal
-        return False
+    def parsed(text: str):
+        latex = text.strip().strip("$").replace("**", "^")
+        return parse(f"${latex}$", extraction_config=extraction, parsing_timeout=None)
+
+    gold, target = parsed(label), parsed(answer)
+    return bool(gold and target and verify(gold, target, timeout_seconds=None))
 
 
 def _as_number(s: str) -> float | None:
@@ -114,7 +105,7 @@ def _as_number(s: str) -> float | None:
 
 
 class MathGrader:
-    """Grades answers; the sympy fallback runs in one spawned worker process, restarted after a timeout."""
+    """Grades answers; the math-verify fallback runs in one spawned worker process, restarted after a timeout."""
 
     def __init__(self, timeout: float = 5.0):
         if timeout <= 0:
@@ -124,19 +115,19 @@ class MathGrader:
 
     def _worker(self):
         if self._pool is None:
-            require("sympy", "the math reward")
+            require("math_verify", "the math reward")
             self._pool = multiprocessing.get_context("spawn").Pool(processes=1)
         return self._pool
 
     async def equal(self, answer: str, label: str) -> bool:
-        """True when ``answer`` and ``label`` are the same value; False on a sympy timeout."""
+        """True when ``answer`` and ``label`` are the same value; False on a timeout of the symbolic check."""
         a, b = normalize(answer), normalize(str(label))
         if a == b:
             return True
         x, y = _as_number(a), _as_number(b)
         if x is not None and y is not None:
             return abs(x - y) <= 1e-6 * max(1.0, abs(y))
-        pending = self._worker().apply_async(_sympy_equal, (a, b))
+        pending = self._worker().apply_async(_math_verify_equal, (answer, str(label)))
         try:
             return await asyncio.to_thread(pending.get, self.timeout)
         except multiprocessing.TimeoutError:

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 from redline.rollout.rewards import build_reward
-from redline.rollout.rewards.math_answer import MathGrader, extract_answer, last_boxed
+from redline.rollout.rewards.math_answer import MathGrader, _math_verify_equal, extract_answer, last_boxed
 from redline.rollout.rewards.text import exact_match, f1_score
 from redline.rollout.types import Sample
 
@@ -42,6 +42,11 @@ def grader():
     (r"\left(x+1\right)^2", "x^2+2x+1"),
     ("1,000", "1000"),
     (r"90^\circ", "90"),
+    (r"\sqrt[3]{8}", "2"),
+    ("x^2-1", "(x-1)(x+1)"),
+    ("(x+1)**2", "x^2+2*x+1"),
+    (r"\pi/2", r"\frac{\pi}{2}"),
+    ("-4", "-4.0"),
 ])
 def test_math_equivalent_answers(grader, answer, label):
     assert asyncio.run(grader.equal(answer, label))
@@ -50,6 +55,34 @@ def test_math_equivalent_answers(grader, answer, label):
 @pytest.mark.parametrize("answer,label", [(r"\frac{1}{3}", "0.33"), ("x+1", "x-1"), ("hello", "5")])
 def test_math_different_answers(grader, answer, label):
     assert not asyncio.run(grader.equal(answer, label))
+
+
+PAYLOAD = "__import__('os').system('id>{path}')"
+
+
+def test_math_grading_never_executes_a_response(tmp_path):
+    """Issue 22: a response ``\\boxed{__import__('os').system('id>FILE')}`` wrote FILE through sympy's
+    parse_expr. Neither the parser (called here in this process, no worker in between) nor the grader runs it."""
+    target = tmp_path / "FILE"
+    assert not _math_verify_equal(PAYLOAD.format(path=target), "0")
+    grader = MathGrader(timeout=20.0)
+    try:
+        assert asyncio.run(grader.score(r"\boxed{" + PAYLOAD.format(path=target) + "}", "0")) == 0.0
+    finally:
+        grader.close()
+    assert not target.exists()
+
+
+def test_math_grading_never_executes_a_label(tmp_path, monkeypatch):
+    """Issue 22: a label ``open('b','w')`` created the file ``b`` (relative to the grader's working folder)."""
+    monkeypatch.chdir(tmp_path)
+    assert not _math_verify_equal("1", "open('b','w')")
+    grader = MathGrader(timeout=20.0)  # spawned after the chdir: its worker runs in tmp_path too
+    try:
+        assert not asyncio.run(grader.equal("1", "open('b','w')"))
+    finally:
+        grader.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_math_timeout_counts_as_wrong_and_recovers():
