@@ -4,7 +4,8 @@ Layout: N samples; their response tokens packed back to back (``T_r`` tokens), s
 ``cu_resp[i]:cu_resp[i+1]``. Scalar tensors per sample are ``[N]``; per-token tensors are ``[T_r]`` fp32.
 Math follows slime (reference notes §3.1, §3.3), with one deliberate difference: ``kl_coef`` (KL in the reward)
 is honoured by every estimator — group estimators subtract ``kl_coef · kl_t`` from each token's advantage, where
-slime silently ignores it for grpo/gspo/cispo.
+slime silently ignores it for grpo/gspo/cispo. The return recursions (``discounted_returns``, ``gae``) treat
+tokens outside the loss mask in the middle of a response (multi-turn tool output) exactly as verl's do.
 """
 
 import torch
@@ -43,7 +44,7 @@ def per_token(values: torch.Tensor, cu_resp: torch.Tensor) -> torch.Tensor:
 
 
 def _padded(x: torch.Tensor, cu_resp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T_r]`` → ``[N, L_max]`` right-padded with zeros, plus the validity mask."""
+    """``[T_r]`` → ``[N, L_max]`` right-padded with zeros (False for bool), plus the validity mask."""
     lengths = (cu_resp[1:] - cu_resp[:-1]).long()
     n, width = len(lengths), int(lengths.max()) if len(lengths) else 0
     valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
@@ -52,34 +53,55 @@ def _padded(x: torch.Tensor, cu_resp: torch.Tensor) -> tuple[torch.Tensor, torch
     return out, valid
 
 
-def discounted_returns(rewards: torch.Tensor, cu_resp: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Per-token returns ``G_t = Σ_{k ≥ t} γ^{k−t} r_k`` within each response; ``[T_r]`` in, ``[T_r]`` out."""
-    padded, valid = _padded(rewards, cu_resp)
-    returns = torch.zeros_like(padded)
-    running = torch.zeros(padded.shape[0], dtype=padded.dtype)
-    for t in range(padded.shape[1] - 1, -1, -1):
-        running = padded[:, t] + gamma * running
+def _padded_mask(loss_mask: torch.Tensor, cu_resp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_padded`` for the ``[T_r]`` bool loss mask, checked first."""
+    if loss_mask.dtype != torch.bool or loss_mask.shape != (int(cu_resp[-1]),):
+        raise ValueError(f"loss_mask must be a bool tensor [T_r={int(cu_resp[-1])}] over the response tokens, "
+                         f"got {loss_mask.dtype} {tuple(loss_mask.shape)}")
+    return _padded(loss_mask, cu_resp)
+
+
+def discounted_returns(rewards: torch.Tensor, loss_mask: torch.Tensor, cu_resp: torch.Tensor,
+                       gamma: float) -> torch.Tensor:
+    """REINFORCE++ returns ``G_t = r_t + γ · m_{t+1} · G_{t+1}`` within each response (verl's
+    ``compute_reinforce_plus_plus_outcome_advantage``); ``[T_r]`` rewards and bool ``loss_mask`` in, ``[T_r]`` out.
+
+    A token outside the loss mask (``m = 0``: a tool or environment token) gets its own return but passes
+    nothing back: the running return restarts at 0 before it, so tokens ahead of a masked span see only the
+    rewards up to that span.
+    """
+    r, _ = _padded(rewards, cu_resp)
+    keep, valid = _padded_mask(loss_mask, cu_resp)
+    returns = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype)
+    for t in range(r.shape[1] - 1, -1, -1):
+        running = r[:, t] + gamma * running
         returns[:, t] = running
+        running = torch.where(keep[:, t], running, torch.zeros_like(running))
     return returns[valid]
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, cu_resp: torch.Tensor, gamma: float,
+def gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, cu_resp: torch.Tensor, gamma: float,
         lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation; returns ``(advantages, returns)``, both ``[T_r]``.
+    """Generalised advantage estimation over the loss-mask tokens (verl's ``compute_gae_advantage_return``);
+    ``[T_r]`` rewards, values and bool ``loss_mask`` in, ``(advantages, returns)`` ``[T_r]`` out.
 
-    ``δ_t = r_t + γ V_{t+1} − V_t`` (``V`` after the last token is 0), ``A_t = Σ_k (γλ)^k δ_{t+k}``,
-    ``returns = A + V``.
+    Tokens outside the loss mask are skipped: for a token t in the mask, with ``n(t)`` the next token in the mask
+    after t in its response (``V_{n(t)} = A_{n(t)} = 0`` when there is none),
+    ``δ_t = r_t + γ V_{n(t)} − V_t`` and ``A_t = δ_t + γλ A_{n(t)}``; a token outside the mask takes
+    ``A_{n(t)}`` and its reward and value are unused. ``returns = A + V`` at every token.
     """
-    r, valid = _padded(rewards, cu_resp)
+    r, _ = _padded(rewards, cu_resp)
     v, _ = _padded(values, cu_resp)
-    # one zero column past the end: V after a response's last token is 0
-    v_next = torch.cat([v[:, 1:] * valid[:, 1:], torch.zeros(v.shape[0], 1, dtype=v.dtype)], dim=1)
+    keep, valid = _padded_mask(loss_mask, cu_resp)
     adv = torch.zeros_like(r)
-    running = torch.zeros(r.shape[0], dtype=r.dtype)
+    next_value = torch.zeros(r.shape[0], dtype=r.dtype)
+    next_adv = torch.zeros_like(next_value)
     for t in range(r.shape[1] - 1, -1, -1):
-        delta = r[:, t] + gamma * v_next[:, t] - v[:, t]
-        running = torch.where(valid[:, t], delta + gamma * lambd * running, torch.zeros_like(running))
-        adv[:, t] = running
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        next_value = torch.where(keep[:, t], v[:, t], next_value)
+        next_adv = torch.where(keep[:, t], delta + gamma * lambd * next_adv, next_adv)
+        adv[:, t] = next_adv
     advantages = adv[valid]
     return advantages, advantages + values
 
@@ -131,13 +153,13 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, group_ids: torch.T
         return masked_whiten(adv, loss_mask, sum_over_ranks=sum_over_ranks), None
     if estimator == "reinforce_plus_plus":
         token_rewards = terminal_reward(rewards, cu_resp) - kl_penalty
-        return masked_whiten(discounted_returns(token_rewards, cu_resp, gamma), loss_mask,
+        return masked_whiten(discounted_returns(token_rewards, loss_mask, cu_resp, gamma), loss_mask,
                              sum_over_ranks=sum_over_ranks), None
     if estimator == "ppo":
         if values is None:
             raise ValueError("advantage_estimator 'ppo' needs critic values")
         token_rewards = terminal_reward(rewards, cu_resp) - kl_penalty
-        advantages, returns = gae(token_rewards, values, cu_resp, gamma, lambd)
+        advantages, returns = gae(token_rewards, values, loss_mask, cu_resp, gamma, lambd)
         return masked_whiten(advantages, loss_mask, sum_over_ranks=sum_over_ranks), returns
     raise ValueError(f"unknown advantage_estimator {estimator!r}")
 
