@@ -15,6 +15,11 @@ PLOTS = {
     "kl.png": ("train/kl", "train/approx_kl"),
     "entropy.png": ("train/entropy",),
     "phase_times.png": PHASES,
+    # GPU telemetry (redline.gpu_telemetry): drawn only when the run sampled a GPU
+    "gpu_util.png": ("perf/gpu_util",),
+    "gpu_memory.png": ("perf/gpu_mem_gb",),
+    "gpu_power.png": ("perf/gpu_power_w",),
+    "gpu_sm_clock.png": ("perf/gpu_sm_clock_mhz",),
 }
 
 

@@ -6,10 +6,11 @@ Everything the step needs lives in a ``RunState`` built once by ``redline.loop.t
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from redline.gpu_telemetry import GpuTelemetry
 from redline.kernels.reference import kl_estimate
 from redline.loop.advantages import AdaptiveKLController, compute_advantages
 from redline.loop.batching import aggregation_weight, balance_across_ranks, pack, split_by_token_budget
@@ -29,6 +30,7 @@ class RunState:
     loop: asyncio.AbstractEventLoop
     critic: object | None = None  # CriticWorker, for advantage_estimator "ppo"
     dp: DataParallel = SINGLE_PROCESS  # the data-parallel ranks (each one runs this same step on its shard)
+    telemetry: GpuTelemetry = field(default_factory=lambda: GpuTelemetry(None))  # perf/gpu_* per step; off: none
 
 
 def clock() -> float:
@@ -74,6 +76,7 @@ def deal(lengths: list[int], ids: list[int], max_tokens: int, world: int) -> lis
 def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     cfg, algo, dp = state.config, state.config.algo, state.dp
     step_start = clock()
+    state.telemetry.begin()
 
     # 1. rollout: generate n samples per prompt, score them, filter groups
     samples, metrics = state.loop.run_until_complete(state.rollout.generate(rollout_id))
@@ -170,4 +173,5 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     if state.critic:
         metrics.update({"train/value_loss": mean("value_loss"), "train/value_clipfrac": mean("value_clipfrac"),
                         "train/value_grad_norm": mean("value_grad_norm")})
+    metrics.update(state.telemetry.summary())  # readings of the step's window, taken by the sampler's thread
     return dp.reduce_metrics(metrics)

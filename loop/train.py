@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 
 from redline.configfile import ConfigError, apply_overrides, to_mapping
+from redline.gpu_telemetry import open_gpu_telemetry
 from redline.loop import checkpoint
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
@@ -178,13 +179,24 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
     log_dir = out / "logs" / (f"rank{dp.rank}" if dp.world > 1 else "")
     state, tokenizer = build(config, console, log_dir=log_dir, dp=dp)
     try:
+        state.telemetry = open_gpu_telemetry(_run_devices(state), lambda line: console.print(line, markup=False))
+        state.telemetry.start()
         report = _train(state, tokenizer, metrics, out, console, config_path)
     finally:
+        state.telemetry.stop()
         if metrics:
             metrics.close()
         shutdown(state)
     console.print(f"report: {report}")
     return 0
+
+
+def _run_devices(state: RunState) -> list[torch.device]:
+    """The devices this process's run uses: its trainer's, and with ``--no-colocate`` the engines'."""
+    from redline.loop.rollout_setup import engine_devices
+
+    trainer = next(state.worker.model.parameters()).device
+    return [trainer] + ([] if state.config.parallel.colocate else engine_devices(state.config))
 
 
 def _materialize(config, out: Path) -> dict[str, str]:

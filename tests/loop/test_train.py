@@ -48,6 +48,21 @@ def test_run_writes_metrics_plots_report_and_tensorboard(finished_run):
     assert "Step-time breakdown, mean of steps 2–4" in (finished_run / "report.md").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU run")
+def test_cpu_run_logs_no_gpu_telemetry(finished_run):
+    assert not any(key.startswith("perf/gpu") for r in records(finished_run) for key in r)
+    assert not (finished_run / "gpu_util.png").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_run_logs_gpu_telemetry_per_step(finished_run):
+    for r in records(finished_run)[1:]:
+        assert 0 <= r["perf/gpu_util"] <= 100 and r["perf/gpu_mem_gb"] > 0, r
+        assert r["perf/gpu_power_w"] > 0 and r["perf/gpu_sm_clock_mhz"] > 0, r
+    assert (finished_run / "gpu_util.png").is_file()
+    assert "![gpu_util](gpu_util.png)" in (finished_run / "report.md").read_text()
+
+
 def test_one_step_per_rollout_reuses_old_logprobs_exactly(finished_run):
     # the first (and only) optimizer step of each rollout sees the weights that produced its old log-probs
     assert all(r["train/approx_kl"] == 0.0 for r in records(finished_run)[1:])

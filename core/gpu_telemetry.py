@@ -1,0 +1,185 @@
+"""GPU telemetry of a run: NVML read in a background thread, summarised per step into ``perf/gpu_*`` metrics.
+
+The sampling thread calls NVML only (no CUDA call, so no host sync and nothing queued on a stream); the step
+marks where its window starts (``begin``) and takes the summary of the readings since then (``summary``).
+NVML's utilisation is the share of its last sample period (1/6 s to 1 s depending on the board) in which a
+kernel ran, so a window shorter than that is smeared over its neighbours.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+INTERVAL_S = 0.1  # ~40 µs of NVML calls per GPU per reading: invisible next to a step
+
+
+class GpuReading(NamedTuple):
+    """One GPU at one instant."""
+
+    util_pct: float  # share of NVML's last sample period with a kernel running, 0..100
+    mem_bytes: float  # device memory used, every process on the GPU counted
+    power_w: float
+    sm_clock_mhz: float
+
+
+class ReadingSource(Protocol):
+    def read(self) -> list[GpuReading]:
+        """One reading per GPU, in a fixed order."""
+
+    def close(self) -> None: ...
+
+
+def summarize(samples: Sequence[Sequence[GpuReading]]) -> dict[str, float]:
+    """Per-step metrics from ``samples`` (each one reading per GPU, same GPUs in the same order):
+
+    ``perf/gpu_util`` (mean %, over readings and GPUs), ``perf/gpu_mem_gb`` (the most memory any GPU used at any
+    reading, 1e9 bytes), ``perf/gpu_power_w`` (mean watts per GPU), ``perf/gpu_sm_clock_mhz`` (mean); with more
+    than one GPU also ``perf/gpu<i>_util`` / ``_mem_gb`` / ``_power_w`` / ``_sm_clock_mhz`` for the ``i``-th
+    GPU. Empty when there are no samples."""
+    if not samples:
+        return {}
+    per_gpu = list(zip(*samples))  # [gpu][reading]
+    mean = lambda values: sum(values) / len(values)
+
+    def of(readings, prefix: str) -> dict[str, float]:
+        return {f"{prefix}_util": mean([r.util_pct for r in readings]),
+                f"{prefix}_mem_gb": max(r.mem_bytes for r in readings) / 1e9,
+                f"{prefix}_power_w": mean([r.power_w for r in readings]),
+                f"{prefix}_sm_clock_mhz": mean([r.sm_clock_mhz for r in readings])}
+
+    out = of([r for gpu in per_gpu for r in gpu], "perf/gpu")
+    if len(per_gpu) > 1:
+        for i, readings in enumerate(per_gpu):
+            out.update(of(readings, f"perf/gpu{i}"))
+    return out
+
+
+class GpuTelemetry:
+    """Background readings of ``source`` every ``interval_s``; ``GpuTelemetry(None)`` is off (no thread, empty
+    summaries). Use as a context manager, or ``start`` / ``stop``."""
+
+    def __init__(self, source: ReadingSource | None, interval_s: float = INTERVAL_S):
+        self.source = source
+        self.interval_s = interval_s
+        self._samples: list[list[GpuReading]] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.source is not None
+
+    def start(self) -> GpuTelemetry:
+        if self.enabled and self._thread is None:
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._sample, name="redline-gpu-telemetry", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread and release NVML; idempotent."""
+        if self._thread is not None:
+            self._stopping.set()
+            self._thread.join()
+            self._thread = None
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+    def __enter__(self) -> GpuTelemetry:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _sample(self) -> None:
+        while True:
+            readings = self.source.read()
+            with self._lock:
+                self._samples.append(readings)
+            if self._stopping.wait(self.interval_s):
+                return
+
+    def begin(self) -> None:
+        """Start a new window: readings taken before now are dropped."""
+        with self._lock:
+            self._samples = []
+
+    def summary(self) -> dict[str, float]:
+        """``summarize`` of the readings since ``begin`` (one taken now when the window holds none yet); ``{}``
+        when off. Starts the next window."""
+        if not self.enabled:
+            return {}
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return summarize(samples or [self.source.read()])
+
+
+class NvmlSource:
+    """NVML readings of the given CUDA devices (torch numbering; found by UUID, so ``CUDA_VISIBLE_DEVICES``
+    renumbering is respected). A sensor the board does not expose reads as NaN."""
+
+    def __init__(self, pynvml, device_indices: Sequence[int]):
+        import torch
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        try:
+            self.handles = [pynvml.nvmlDeviceGetHandleByUUID(_nvml_uuid(torch.cuda.get_device_properties(i)))
+                            for i in device_indices]
+        except BaseException:
+            pynvml.nvmlShutdown()
+            raise
+
+    def read(self) -> list[GpuReading]:
+        return [GpuReading(self._get(lambda: self.nvml.nvmlDeviceGetUtilizationRates(h).gpu),
+                           self._get(lambda: self.nvml.nvmlDeviceGetMemoryInfo(h).used),
+                           self._get(lambda: self.nvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+                           self._get(lambda: self.nvml.nvmlDeviceGetClockInfo(h, self.nvml.NVML_CLOCK_SM)))
+                for h in self.handles]
+
+    def _get(self, read: Callable[[], float]) -> float:
+        try:
+            return float(read())
+        except self.nvml.NVMLError:
+            return float("nan")
+
+    def close(self) -> None:
+        self.nvml.nvmlShutdown()
+
+
+def _nvml_uuid(props) -> str:
+    text = str(props.uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
+def open_gpu_telemetry(devices, note: Callable[[str], None], interval_s: float = INTERVAL_S) -> GpuTelemetry:
+    """Telemetry of the CUDA devices among ``devices`` (``torch.device``s), not yet started; one line to ``note``
+    says what it samples. Off, silently, when none is a CUDA device; off with a line saying why when
+    nvidia-ml-py is missing or NVML does not start."""
+    indices = sorted({_index(d) for d in devices if d.type == "cuda"})
+    if not indices:
+        return GpuTelemetry(None)
+    from redline.extras import available
+
+    if not available("pynvml"):
+        note("GPU telemetry off: nvidia-ml-py is missing (pip install 'redline[gpu]')")
+        return GpuTelemetry(None)
+    import pynvml
+
+    try:
+        source = NvmlSource(pynvml, indices)
+    except pynvml.NVMLError as exc:
+        note(f"GPU telemetry off: NVML unavailable ({exc})")
+        return GpuTelemetry(None)
+    note(f"GPU telemetry: NVML every {interval_s:g} s on cuda:{', cuda:'.join(map(str, indices))} (perf/gpu_*)")
+    return GpuTelemetry(source, interval_s)
+
+
+def _index(device) -> int:
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
