@@ -1,9 +1,12 @@
 """Checkpoints: HF model directory + trainer state (optimizer, scheduler, RNG, data position, counters).
 
 Layout under ``<output_dir>/checkpoints/``: ``rollout_<N>/model/`` (HF safetensors + config + tokenizer, loadable
-by transformers), ``rollout_<N>/state.pt`` (what every rank shares: optimizer, scheduler, counters),
-``rollout_<N>/rank<r>.pt`` per data-parallel rank (its data position and RNG states), and ``latest``
-naming the newest ``rollout_<N>``.
+by transformers), ``rollout_<N>/state.{json,safetensors}`` (what every rank shares: optimizer, scheduler,
+counters), ``rollout_<N>/rank<r>.{json,safetensors}`` per data-parallel rank (its data position and RNG states),
+and ``latest`` naming the newest ``rollout_<N>``. The state files are ``redline.loop.state_file``'s format:
+tensors in safetensors, the rest in JSON, so loading a folder from elsewhere never unpickles anything. Folders
+of the older pickle format (``state.pt``) are refused with a message saying so: a pickle can run code when
+loaded, and ``torch.load(weights_only=True)`` does not take their numpy RNG states.
 """
 
 import random
@@ -13,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from redline.loop import state_file
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -45,11 +49,11 @@ def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict, r
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dp.barrier()
-    torch.save({**rank_state, "rng": rng_state()}, tmp / f"rank{dp.rank}.pt")
+    state_file.save(tmp / f"rank{dp.rank}", {**rank_state, "rng": rng_state()})
     if dp.is_main:
         model.save_pretrained(tmp / "model")
         copy_tokenizer(tokenizer_dir, tmp / "model")
-        torch.save({**state, "rollout_id": rollout_id}, tmp / "state.pt")
+        state_file.save(tmp / "state", {**state, "rollout_id": rollout_id})
     dp.barrier()
     if dp.is_main:
         shutil.rmtree(folder, ignore_errors=True)
@@ -69,15 +73,27 @@ def resolve(load: str | Path) -> Path:
     """A checkpoint folder from ``--load``: the folder itself, or a checkpoints root / run folder (its latest)."""
     path = Path(load)
     for candidate in (path, path / "checkpoints"):
-        if (candidate / "state.pt").exists():
-            return candidate
         if (candidate / "latest").exists():
-            return candidate / (candidate / "latest").read_text().strip()
-    raise FileNotFoundError(f"--load {load}: no checkpoint there (expected state.pt or a 'latest' file)")
+            candidate = candidate / (candidate / "latest").read_text().strip()
+        if (candidate / "state.pt").exists():
+            raise ValueError(f"--load {load}: {candidate} is a checkpoint of the older pickle format (state.pt), "
+                             f"which redline no longer loads: unpickling a folder can run code")
+        if state_file.paths(candidate / "state")[0].exists():
+            return candidate
+    raise FileNotFoundError(f"--load {load}: no checkpoint there (expected state.json or a 'latest' file)")
+
+
+def saved_rollout(folder: Path) -> int:
+    """The rollout id a checkpoint folder was saved after (its step in the records is this + 1)."""
+    return state_file.load(Path(folder) / "state")["rollout_id"]
+
+
+def saved_ranks(folder: Path) -> int:
+    """How many data-parallel ranks saved a checkpoint folder (one ``rank<r>`` state each)."""
+    return len(list(Path(folder).glob("rank*.json")))
 
 
 def load_state(folder: Path, dp: DataParallel = SINGLE_PROCESS) -> tuple[dict, dict]:
     """``(shared state, this rank's state)`` of a checkpoint (``validate.check_load`` has checked it was saved by
     as many ranks); RNG states (in the rank's) are restored by the caller with ``set_rng_state``."""
-    return (torch.load(Path(folder) / "state.pt", weights_only=False),
-            torch.load(Path(folder) / f"rank{dp.rank}.pt", weights_only=False))
+    return state_file.load(Path(folder) / "state"), state_file.load(Path(folder) / f"rank{dp.rank}")

@@ -24,6 +24,48 @@ def loss_config(config):
                       tis_clip=algo.tis_clip, agg=agg, agg_constant=constant)
 
 
+def _ranges(config) -> list[tuple[str, object, str]]:
+    """(flag, value, rule) of every numeric setting with a range; None values (unset options) are skipped."""
+    r, t, a, d, c = config.rollout, config.train, config.algo, config.data, config.checkpoint
+    at_least_1 = [("--rollout-batch-size", r.rollout_batch_size), ("--n-samples-per-prompt", r.n_samples_per_prompt),
+                  ("--num-rollout", r.num_rollout), ("--global-batch-size", t.global_batch_size),
+                  ("--num-steps-per-rollout", t.num_steps_per_rollout), ("--max-tokens-per-gpu", t.max_tokens_per_gpu),
+                  ("--rollout-max-response-len", r.rollout_max_response_len),
+                  ("--over-sampling-batch-size", r.over_sampling_batch_size),
+                  ("--n-samples-per-eval-prompt", r.n_samples_per_eval_prompt),
+                  ("--eval-max-response-len", r.eval_max_response_len),
+                  ("--rollout-max-prompt-len", d.rollout_max_prompt_len), ("--kl-horizon", a.kl_horizon),
+                  ("--save-interval", c.save_interval), ("--eval-interval", c.eval_interval)]
+    at_least_0 = [("--sft-steps", t.sft_steps), ("--lr-warmup-iters", t.lr_warmup_iters),
+                  ("--max-bad-steps", t.max_bad_steps), ("--rm-max-retries", r.rm_max_retries),
+                  ("--rollout-temperature", r.rollout_temperature), ("--eval-temperature", r.eval_temperature),
+                  ("--weight-decay", t.weight_decay), ("--clip-grad", t.clip_grad), ("--min-lr", t.min_lr),
+                  ("--kl-loss-coef", a.kl_loss_coef), ("--kl-coef", a.kl_coef), ("--entropy-coef", a.entropy_coef)]
+    above_0 = [("--lr", t.lr), ("--sft-lr", t.sft_lr), ("--critic-lr", a.critic_lr), ("--rm-timeout", r.rm_timeout),
+               ("--eps-clip", a.eps_clip)]
+    probability = [("--rollout-top-p", r.rollout_top_p), ("--eval-top-p", r.eval_top_p),
+                   ("--adam-beta1", t.adam_beta1), ("--adam-beta2", t.adam_beta2)]
+    return ([(f, v, ">= 1") for f, v in at_least_1] + [(f, v, ">= 0") for f, v in at_least_0]
+            + [(f, v, "> 0") for f, v in above_0] + [(f, v, "in (0, 1]") for f, v in probability])
+
+
+RULES = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+         "in (0, 1]": lambda v: 0 < v <= 1}
+
+
+def check_ranges(config) -> None:
+    """Each numeric setting on its own (finite, in its range), before any constraint between settings: a
+    negative batch size is reported as such, not as a product that does not add up."""
+    import math
+
+    for flag, value, rule in _ranges(config):
+        if value is not None and not (math.isfinite(value) and RULES[rule](value)):
+            raise ConfigError(f"{flag} must be {rule}, got {value}")
+    top_k = config.rollout.rollout_top_k
+    if top_k != -1 and top_k < 1:
+        raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {top_k}")
+
+
 def check_batch_arithmetic(config) -> None:
     r, t = config.rollout, config.train
     produced = r.rollout_batch_size * r.n_samples_per_prompt
@@ -33,14 +75,37 @@ def check_batch_arithmetic(config) -> None:
             f"--rollout-batch-size ({r.rollout_batch_size}) × --n-samples-per-prompt ({r.n_samples_per_prompt}) = "
             f"{produced} samples per rollout, but --global-batch-size ({t.global_batch_size}) × "
             f"--num-steps-per-rollout ({t.num_steps_per_rollout}) = {consumed}; they must be equal")
-    for flag, value in [("--rollout-batch-size", r.rollout_batch_size), ("--n-samples-per-prompt",
-                        r.n_samples_per_prompt), ("--num-rollout", r.num_rollout), ("--max-tokens-per-gpu",
-                        t.max_tokens_per_gpu), ("--rollout-max-response-len", r.rollout_max_response_len)]:
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
     if r.n_samples_per_prompt < 2 and config.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo", "gspo", "cispo"):
         raise ConfigError(f"--advantage-estimator {config.algo.advantage_estimator} compares samples within a "
                           f"group: --n-samples-per-prompt must be >= 2")
+
+
+def check_output_dir(path: str | None) -> None:
+    if path and Path(path).exists() and not Path(path).is_dir():
+        raise ConfigError(f"--output-dir {path}: a file is there; the run folder must be a folder (or not exist)")
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file holds its whole header and every tensor's bytes (a truncated download does not)."""
+    import struct
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"--hf-checkpoint {path}: truncated safetensors file ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise ConfigError(f"--hf-checkpoint {path}: truncated safetensors file (its header needs "
+                              f"{header_len} bytes, the file has {size})")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConfigError(f"--hf-checkpoint {path}: corrupt safetensors header") from None
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise ConfigError(f"--hf-checkpoint {path}: truncated safetensors file ({size} bytes, its tensors need "
+                          f"{8 + header_len + end})")
 
 
 def check_model_dir(path: str | None) -> None:
@@ -61,27 +126,58 @@ def check_model_dir(path: str | None) -> None:
         raise ConfigError(f"--hf-checkpoint {folder}: no *.safetensors weights")
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         raise ConfigError(f"--hf-checkpoint {folder}: no tokenizer (tokenizer.json / tokenizer_config.json)")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            try:
+                json.loads((folder / name).read_bytes())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"--hf-checkpoint {folder / name}: corrupt JSON ({exc})") from None
+    for weights in sorted(folder.glob("*.safetensors")):
+        check_safetensors(weights)
 
 
-def check_data(path: str | None, input_key: str, label_key: str | None, flag: str, needs_label: bool) -> None:
-    """The file exists and its first record has the keys the run reads."""
-    from redline.rollout.data import read_records
+def check_data(path: str | None, flag: str, config, needs_label: bool) -> None:
+    """The file exists and every record has the keys the run reads (with ``--skip-bad-records``: at least one
+    does); the first bad record is named by file and line. Prompt lengths need the tokenizer: the dataset
+    checks them when it loads (``PromptDataset``)."""
+    from redline.rollout.data import DataError, check_record, read_records
 
     if not path:
         raise ConfigError(f"{flag} is required")
     if not Path(path).is_file():
         raise ConfigError(f"{flag} {path}: file not found")
-    try:
-        location, first = next(iter(read_records(path)))
-    except StopIteration:
-        raise ConfigError(f"{flag} {path}: the file holds no records") from None
-    if isinstance(first, Exception):
-        raise ConfigError(str(first))
-    if input_key not in first:
-        raise ConfigError(f"{location}: no key '{input_key}' (--input-key); keys there: {sorted(first)}")
-    if needs_label and (label_key is None or label_key not in first):
-        raise ConfigError(f"{location}: no label key '{label_key}' (--label-key), which rewards/SFT need; "
-                          f"keys there: {sorted(first)}")
+    d = config.data
+    good = 0
+    for location, record in read_records(path):
+        try:
+            check_record(location, record, input_key=d.input_key, label_key=d.label_key,
+                         metadata_key=d.metadata_key, require_label=needs_label)
+        except DataError as exc:
+            if not d.skip_bad_records:
+                raise ConfigError(f"{exc} (--skip-bad-records skips and counts such records)") from None
+            continue
+        good += 1
+    if not good:
+        raise ConfigError(f"{flag} {path}: the file holds no usable records")
+
+
+def needs_label(config) -> bool:
+    """Whether each record must carry a label: a built-in reward grades against it, SFT imitates it."""
+    return config.rollout.rm_type is not None or config.train.sft_steps > 0 or config.algo.loss_type == "sft"
+
+
+def check_reward(config) -> None:
+    """A remote reward model answers at ``--rm-url`` (the start-up health check)."""
+    r = config.rollout
+    if r.rm_type == "remote_rm" and not r.custom_rm_path:
+        if not r.rm_url:
+            raise ConfigError("--rm-type remote_rm needs --rm-url")
+        from redline.rollout.rewards.remote import RemoteRewardError, check_reachable
+
+        try:
+            check_reachable(r.rm_url, r.rm_timeout)
+        except RemoteRewardError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def check_backends(config) -> None:
@@ -131,16 +227,16 @@ def check_engine(config) -> None:
 
 def check_load(load, world_size: int) -> None:
     """``--load``: a checkpoint exists there, saved by as many data-parallel ranks as this run has (each rank
-    resumes its own data position from ``rank<r>.pt``)."""
-    from redline.loop.checkpoint import resolve
+    resumes its own data position from its ``rank<r>`` state)."""
+    from redline.loop.checkpoint import resolve, saved_ranks
 
     try:
         folder = resolve(load)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
-    saved = len(list(folder.glob("rank*.pt")))
+    saved = saved_ranks(folder)
     if saved != world_size:
-        raise ConfigError(f"--load {folder}: saved by {saved} data-parallel rank(s) (rank<r>.pt files), this run "
+        raise ConfigError(f"--load {folder}: saved by {saved} data-parallel rank(s) (rank<r>.json files), this run "
                           f"has {world_size}; resume with the same number of processes")
 
 
@@ -207,20 +303,20 @@ def check_placement(config, world_size: int = 1) -> None:
 def validate(config, world_size: int = 1) -> None:
     """Every check that can fail before a model loads; raises ConfigError naming the flag or file.
     ``world_size``: the data-parallel ranks (``torchrun`` processes) of the run."""
+    check_ranges(config)
     check_batch_arithmetic(config)
+    check_output_dir(config.checkpoint.output_dir)
     check_model_dir(config.model.hf_checkpoint)
-    needs_label = config.rollout.rm_type is not None or config.train.sft_steps > 0 or config.algo.loss_type == "sft"
-    check_data(config.data.prompt_data, config.data.input_key, config.data.label_key, "--prompt-data", needs_label)
+    check_data(config.data.prompt_data, "--prompt-data", config, needs_label(config))
     if config.data.sft_prompt_data:
-        check_data(config.data.sft_prompt_data, config.data.input_key, config.data.label_key, "--sft-prompt-data",
-                   needs_label=True)
+        check_data(config.data.sft_prompt_data, "--sft-prompt-data", config, needs_label=True)
     if config.data.eval_prompt_data:
-        check_data(config.data.eval_prompt_data, config.data.input_key, config.data.label_key,
-                   "--eval-prompt-data", needs_label)
+        check_data(config.data.eval_prompt_data, "--eval-prompt-data", config, needs_label(config))
     if config.rollout.rm_type is None and config.rollout.custom_rm_path is None and config.algo.loss_type != "sft":
         raise ConfigError("RL needs a reward: set --rm-type or --custom-rm-path")
     if config.algo.kl_target is not None and config.algo.kl_coef <= 0:
         raise ConfigError("--kl-target adapts --kl-coef, which must then be > 0")
+    check_reward(config)
     check_backends(config)
     check_engine(config)
     check_placement(config, world_size)

@@ -66,7 +66,8 @@ def test_two_ranks_take_the_single_process_steps(two_ranks, tmp_path):
 def test_two_ranks_resume_from_a_checkpoint_on_the_same_trajectory(two_ranks, tmp_path):
     out, records = two_ranks
     folder = out / "checkpoints" / "rollout_1"
-    assert sorted(p.name for p in folder.iterdir()) == ["model", "rank0.pt", "rank1.pt", "state.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["model", "rank0.json", "rank0.safetensors", "rank1.json",
+                                                        "rank1.safetensors", "state.json", "state.safetensors"]
     resumed = train(tmp_path, "--num-rollout", "3", "--load", str(folder), ranks=2)
     assert_same_records(records[-1:], resumed)
     # found at start-up, before any model loads (the console may wrap the message)

@@ -180,7 +180,7 @@ def test_load_needs_a_checkpoint_saved_by_as_many_ranks(model_dir, data_file, tm
     folder = tmp_path / "checkpoints" / "rollout_3"
     folder.mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text("rollout_3")
-    for name in ("state.pt", "rank0.pt", "rank1.pt"):
+    for name in ("state.json", "rank0.json", "rank1.json"):
         (folder / name).write_bytes(b"")
     with pytest.raises(ConfigError, match=r"saved by 2 data-parallel rank\(s\).*this run has 1"):
         validate(config_with(model_dir, data_file, load=str(tmp_path)))
