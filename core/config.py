@@ -65,6 +65,9 @@ class RolloutConfig:
     rollout_top_k: int = option(-1, "top-k sampling (-1: off)")
     rollout_stop: list[str] = option([], "stop strings")
     rollout_stop_token_ids: list[int] = option([], "stop token ids (besides EOS)")
+    rollout_ignore_eos: bool = option(False, "no token id ends a response (neither EOS nor --rollout-stop-token-ids; "
+                                      "SGLang's ignore_eos): every response runs to --rollout-max-response-len "
+                                      "unless a stop string ends it; evaluation still stops at EOS")
     rm_type: str | None = option(None, "built-in reward: math, exact_match, f1, remote_rm")
     custom_rm_path: str | None = option(None, "reward function 'module:function'")
     group_rm: bool = option(False, "the custom reward scores a whole group at once")

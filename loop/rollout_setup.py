@@ -258,7 +258,7 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
     engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
-                            stop_token_ids=tuple(r.rollout_stop_token_ids))
+                            stop_token_ids=tuple(r.rollout_stop_token_ids), ignore_eos=r.rollout_ignore_eos)
     generate_fn = (load_function(r.custom_generate_function_path, what="--custom-generate-function-path",
                                  must_be_async=True) if r.custom_generate_function_path else generate_sample)
     dynamic_filter = (load_function(r.dynamic_sampling_filter_path, what="--dynamic-sampling-filter-path")
@@ -271,7 +271,7 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
                              partial_rollout=r.partial_rollout, generate_fn=seeded(generate_fn, config.train.seed))
     eval_sets = []
     if d.eval_prompt_data:
-        eval_params = params.replace(temperature=r.eval_temperature, top_p=r.eval_top_p,
+        eval_params = params.replace(temperature=r.eval_temperature, top_p=r.eval_top_p, ignore_eos=False,
                                      max_new_tokens=r.eval_max_response_len or r.rollout_max_response_len)
         eval_sets.append(EvalSet(name="eval", dataset=PromptDataset(d.eval_prompt_data, tokenizer, **dataset_options),
                                  params=eval_params, n_samples_per_prompt=r.n_samples_per_eval_prompt))

@@ -30,6 +30,8 @@ class SamplingParams:
     temperature: >= 0; 0 means greedy. top_p: in (0, 1]. top_k: -1 (off) or >= 1.
     max_new_tokens: >= 0 response tokens at most. stop: strings that end the response (kept in the output,
     like SGLang's ``no_stop_trim``). stop_token_ids: ids that end the response (kept, EOS is added by engines).
+    ignore_eos: no token id ends the response, neither EOS nor ``stop_token_ids`` (SGLang's ``ignore_eos``); stop
+    strings still do. With none, every response runs to ``max_new_tokens`` (fixed-length benchmarks).
     seed: makes the draw reproducible for the same prompt and engine; None draws from the engine's generator.
     """
 
@@ -39,6 +41,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     seed: int | None = None
 
     def __post_init__(self):

@@ -1,4 +1,5 @@
-"""When a response ends: stop token ids (EOS included), stop strings, the token budget or the cache size."""
+"""When a response ends: stop token ids (EOS included, unless ``ignore_eos``), stop strings, the token budget or
+the cache size."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class StopChecker:
     def __init__(self, params: SamplingParams, eos_token_ids: frozenset[int], token_budget: int, tokenizer=None):
         if params.stop and tokenizer is None:
             raise ValueError("stop strings need the engine to have a tokenizer (pass tokenizer=...)")
-        self.stop_ids = eos_token_ids | frozenset(params.stop_token_ids)
+        self.stop_ids = frozenset() if params.ignore_eos else eos_token_ids | frozenset(params.stop_token_ids)
         self.stop_strings = params.stop
         self.token_budget = token_budget  # min(max_new_tokens, room left in the KV cache)
         self.tokenizer = tokenizer

@@ -36,7 +36,7 @@ def sampling_payload(request: GenerateRequest) -> dict:
     p = request.params
     payload = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "max_new_tokens": p.max_new_tokens,
                "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "no_stop_trim": True,
-               "skip_special_tokens": False}
+               "skip_special_tokens": False, "ignore_eos": p.ignore_eos}
     if p.seed is not None:
         payload["sampling_seed"] = p.seed
     return payload
