@@ -1,13 +1,12 @@
 """The ``redline`` console script: ``redline env``, ``redline train``, ``redline bench report``."""
 
+import dataclasses
 import json
 import sys
-import types
-import typing
 
 import click
 
-from redline.configfile import ConfigError, flag_name, leaf_fields
+from redline.configfile import ConfigError, flag_name, flag_type, leaf_fields
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
@@ -31,32 +30,65 @@ def env(as_json):
         render(report, Console())
 
 
+class SectionOption(click.Option):
+    """A config flag that knows its TOML section, so ``--help`` lists it there."""
+
+    def __init__(self, *args, section: str = "Options", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+class SectionedCommand(click.Command):
+    """``--help`` groups the flags by config section ([model], [rollout], [algo] ...), in declaration order."""
+
+    def format_options(self, ctx, formatter):
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record:
+                groups.setdefault(getattr(param, "section", "Options"), []).append(record)
+        for section, rows in groups.items():
+            with formatter.section(section if section == "Options" else f"[{section}]"):
+                formatter.write_dl(rows)
+
+
 def config_options(config_cls):
-    """Decorator adding one click option per leaf config field (default None = keep the file's value)."""
+    """Decorator adding one typed click option per leaf config field (default None = keep the file's value);
+    the help shows the field's type (choices for literals) and its default."""
 
     def decorate(command):
         for name, (section, field, kind) in reversed(list(leaf_fields(config_cls).items())):
-            help_text = f"[{section}] {field.metadata.get('help', '')}"
-            base = kind
-            if typing.get_origin(kind) in (typing.Union, types.UnionType):
-                base = next(a for a in typing.get_args(kind) if a is not type(None))
-            if base is bool:
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            help_text = field.metadata.get("help", "") + ("" if default in (None, []) else f" (default: {default})")
+            options = dict(cls=SectionOption, section=section, default=None, help=help_text)
+            if flag_type(kind) is click.BOOL:
                 decl = f"{flag_name(name)}/--no-{name.replace('_', '-')}"
-                command = click.option(decl, name, default=None, help=help_text)(command)
+                command = click.option(decl, name, **options)(command)
             else:
-                command = click.option(flag_name(name), name, default=None, type=str, help=help_text)(command)
+                command = click.option(flag_name(name), name, type=flag_type(kind), **options)(command)
         return command
 
     return decorate
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that are the user's to fix (a config value, a data record, a reward function, a missing
+    package): ``redline train`` prints them as one ``error:`` line, without a traceback."""
+    from redline.extras import MissingExtraError
+    from redline.rollout.data import DataError
+    from redline.rollout.rewards import RewardError
+
+    return ConfigError, DataError, RewardError, MissingExtraError
+
+
 def _train_command():
     from redline.config import RunConfig
 
-    @main.command(context_settings={"show_default": False})
+    @main.command(cls=SectionedCommand, context_settings={"show_default": False})
     @click.argument("config_path", type=click.Path(dir_okay=False))
+    @click.option("--debug", is_flag=True, help="show the traceback of an error instead of one line")
     @config_options(RunConfig)
-    def train(config_path, **flags):
+    def train(config_path, debug, **flags):
         """Run RL post-training from CONFIG_PATH (TOML); flags override the file."""
         from redline.configfile import apply_overrides, load_toml
 
@@ -68,7 +100,14 @@ def _train_command():
         from redline.loop import run_training
 
         exit_on_sigterm()
-        sys.exit(run_training(config, config_path=config_path))
+        try:
+            code = run_training(config, config_path=config_path)
+        except user_errors() as exc:
+            if debug:
+                raise
+            click.echo(f"error: {exc}", err=True)
+            code = 2
+        sys.exit(code)
 
     return train
 

@@ -46,7 +46,8 @@ class DataConfig:
     apply_chat_template: bool = option(False, "wrap prompts in the tokenizer's chat template")
     rollout_max_prompt_len: int | None = option(None, "drop (and count) prompts longer than this many tokens")
     rollout_shuffle: bool = option(True, "shuffle prompts each epoch")
-    skip_bad_records: bool = option(False, "skip and count malformed records instead of failing")
+    skip_bad_records: bool = option(False, "skip and count malformed records (bad JSON or UTF-8, missing keys or "
+                                    "label) instead of failing (data/skipped_records)")
     eval_prompt_data: str | None = option(None, "eval dataset (JSONL or Parquet)")
     sft_prompt_data: str | None = option(None, "labelled data of the SFT warm-up (default: --prompt-data)")
 
@@ -60,7 +61,8 @@ class RolloutConfig:
     n_samples_per_prompt: int = option(4, "responses sampled per prompt (group size)")
     over_sampling_batch_size: int | None = option(None, "prompts drawn per round when a dynamic filter drops groups")
     rollout_max_response_len: int = option(256, "max new tokens per response")
-    rollout_temperature: float = option(1.0, "sampling temperature")
+    rollout_temperature: float = option(1.0, "sampling temperature; 0: greedy decoding (log-probs for the loss "
+                                        "are then taken at temperature 1)")
     rollout_top_p: float = option(1.0, "nucleus sampling p")
     rollout_top_k: int = option(-1, "top-k sampling (-1: off)")
     rollout_stop: list[str] = option([], "stop strings")
@@ -72,6 +74,11 @@ class RolloutConfig:
     custom_rm_path: str | None = option(None, "reward function 'module:function'")
     group_rm: bool = option(False, "the custom reward scores a whole group at once")
     rm_url: str | None = option(None, "URL of the remote reward model (--rm-type remote_rm)")
+    rm_timeout: float = option(60.0, "seconds a reward may take: a custom reward's call, a remote RM's request")
+    rm_max_retries: int = option(3, "retries of a remote RM request that failed (connection, timeout, HTTP 5xx)")
+    reward_error: Literal["fail", "zero"] = option(
+        "fail", "a reward that raises, times out or returns NaN/inf: fail (stop, naming the sample and the "
+        "reward) or zero (score it 0, counted in rollout/reward_errors)")
     dynamic_sampling_filter_path: str | None = option(None, "group filter 'module:function'")
     custom_generate_function_path: str | None = option(None, "custom generate 'module:function' (multi-turn, tools)")
     partial_rollout: bool = option(False, "return unfinished groups to the buffer")

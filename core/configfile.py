@@ -14,6 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import click
+
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names where it came from."""
@@ -44,22 +46,56 @@ def leaf_fields(config_cls) -> dict[str, tuple[str, dataclasses.Field, type]]:
     return leaves
 
 
+def _optional_inner(kind: Any) -> Any:
+    """``X`` for ``X | None``, else ``kind``."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
+class CommaList(click.ParamType):
+    """A command-line list: ``a,b,c``, each item parsed with ``item`` (an empty string is the empty list)."""
+
+    def __init__(self, item: click.ParamType):
+        self.item = item
+        self.name = f"{item.name},..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        return [self.item.convert(v, param, ctx) for v in value.split(",") if v]
+
+
+def flag_type(kind: Any) -> click.ParamType:
+    """The click type that parses a command-line string into a value of the field type ``kind``."""
+    kind = _optional_inner(kind)
+    if typing.get_origin(kind) is Literal:
+        return click.Choice(typing.get_args(kind))
+    if typing.get_origin(kind) in (list, tuple):
+        return CommaList(flag_type(typing.get_args(kind)[0]))
+    types_ = {bool: click.BOOL, int: click.INT, float: click.FLOAT, str: click.STRING}
+    if kind not in types_:
+        raise TypeError(f"unsupported config type {kind!r}")
+    return types_[kind]
+
+
+def parse_flag(value: str, kind: Any, where: str) -> Any:
+    """A command-line string as a value of ``kind`` (click's parsing, the CLI's), checked by ``coerce``."""
+    try:
+        parsed = flag_type(kind).convert(value, None, None)
+    except click.BadParameter as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+    return coerce(parsed, kind, where)
+
+
 def coerce(value: Any, kind: Any, where: str) -> Any:
-    """Check ``value`` (parsed from TOML or a CLI string) against the annotation ``kind``; return it typed."""
+    """Check ``value`` (as TOML typed it, or parsed by ``parse_flag``) against the annotation ``kind``; return
+    it typed. Strings are not numbers here: ``"25"`` for an integer key is refused like ``"25x"``."""
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(kind)
-        if value is None and type(None) in options:
+        if value is None and type(None) in typing.get_args(kind):
             return None
-        errors = []
-        for inner in options:
-            if inner is type(None):
-                continue
-            try:
-                return coerce(value, inner, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {kind}")
+        return coerce(value, _optional_inner(kind), where)
     if origin is Literal:
         choices = typing.get_args(kind)
         if value not in choices:
@@ -67,32 +103,18 @@ def coerce(value: Any, kind: Any, where: str) -> Any:
         return value
     if origin in (list, tuple):
         (inner,) = typing.get_args(kind)[:1]
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         return [coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if kind is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {type(value).__name__} {value!r}")
         return value
     if kind is int:
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
         return value
     if kind is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
         return float(value)
@@ -161,14 +183,17 @@ def from_mapping(config_cls, data: dict, source: tuple[Path, str] | None = None)
 
 
 def apply_overrides(config, overrides: dict[str, Any], source: str = "command line"):
-    """Return a copy of ``config`` with leaf fields replaced; values are checked like TOML values."""
+    """Return a copy of ``config`` with leaf fields replaced: strings are parsed as the command line parses
+    them (``"64"`` for an integer flag), typed values are checked like TOML values."""
     leaves = leaf_fields(type(config))
     changes: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
         if key not in leaves:
             raise ConfigError(f"{source}: unknown option {flag_name(key)}")
         section, _, kind = leaves[key]
-        changes.setdefault(section, {})[key] = coerce(value, kind, f"{source}: {flag_name(key)}")
+        where = f"{source}: {flag_name(key)}"
+        changes.setdefault(section, {})[key] = (parse_flag(value, kind, where) if isinstance(value, str)
+                                                else coerce(value, kind, where))
     replaced = {s: dataclasses.replace(getattr(config, s), **v) for s, v in changes.items()}
     return dataclasses.replace(config, **replaced)
 

@@ -48,9 +48,21 @@ class LoopRollout:
     def has_eval(self) -> bool:
         return bool(self.eval_sets)
 
+    @property
+    def skipped_records(self) -> int:
+        """Malformed records that ``--skip-bad-records`` skipped, over every dataset of the run."""
+        datasets = {id(d): d for d in [self.manager.data_source.dataset, self.sft_data.dataset,
+                                       *(e.dataset for e in self.eval_sets)]}
+        return sum(d.stats.skipped_bad for d in datasets.values())
+
     async def generate(self, rollout_id: int):
         output = await self.manager.generate_rollout()
+        output.metrics["data/skipped_records"] = float(self.skipped_records)
         return [s for group in output.groups for s in group], output.metrics
+
+    async def close(self) -> None:
+        """Release what the reward holds (a grader process, an HTTP session)."""
+        await self.reward.close()
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         metrics = {}
@@ -59,9 +71,9 @@ class LoopRollout:
             shard = await evaluate(self.engine, self.tokenizer, eval_set, self.reward,
                                    generate_fn=self.eval_generate_fn, shard=(rank, world))
             metrics.update(self.dp.weighted_mean(shard, len(range(rank, len(eval_set.dataset), world))))
-        if len(self.eval_sets) == 1:  # the headline numbers without the set's name
+        if len(self.eval_sets) == 1:  # one set: its numbers under eval/ alone, not also under eval/<name>/
             name = self.eval_sets[0].name
-            metrics.update({k.replace(f"eval/{name}/", "eval/"): v for k, v in list(metrics.items())})
+            metrics = {k.replace(f"eval/{name}/", "eval/"): v for k, v in metrics.items()}
         return metrics
 
     def state_dict(self) -> dict:
@@ -248,13 +260,20 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
     """``(engine, LoopRollout)`` for the run; with ``dp.world`` ranks, this rank's engine and its share of the
     prompts (``rollout_batch_size / world`` groups per rollout)."""
     d, r = config.data, config.rollout
+    from transformers import AutoConfig
+
+    from redline.loop.validate import needs_label
+
+    prompt_room = engine_seq_len(config, model_context(AutoConfig.from_pretrained(config.model.hf_checkpoint))) - 1
     dataset_options = dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
                            apply_chat_template=d.apply_chat_template, max_prompt_len=d.rollout_max_prompt_len,
-                           skip_bad_records=d.skip_bad_records)
+                           skip_bad_records=d.skip_bad_records, require_label=needs_label(config),
+                           context=prompt_room)
     shard = dict(rank=dp.rank, world=dp.world)
     data = DataSource(PromptDataset(d.prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
                       shuffle=d.rollout_shuffle, **shard)
-    reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url)
+    reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url,
+                          timeout=r.rm_timeout, max_retries=r.rm_max_retries, on_error=r.reward_error)
     engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
@@ -277,8 +296,8 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
                                  params=eval_params, n_samples_per_prompt=r.n_samples_per_eval_prompt))
     sft_data = None
     if d.sft_prompt_data and d.sft_prompt_data != d.prompt_data:
-        sft_data = DataSource(PromptDataset(d.sft_prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
-                              shuffle=True, **shard)
+        sft_dataset = PromptDataset(d.sft_prompt_data, tokenizer, **{**dataset_options, "require_label": True})
+        sft_data = DataSource(sft_dataset, seed=config.train.seed, shuffle=True, **shard)
     # every evaluation draws with the same seeds (its own, not the rollouts'): steps differ only by the weights
     eval_generate_fn = seeded(generate_fn, config.train.seed + 1)
     return engine, LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn, dp)

@@ -33,19 +33,28 @@ class LoadStats:
 
 
 def _jsonl_records(path: Path):
-    """Yield (location, record-or-error) for every non-blank line of a JSONL file."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    """Yield (location, record-or-error) for every non-blank line of a JSONL file (UTF-8)."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            location = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield location, DataError(f"{location}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
+                                          f"{exc.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                yield location, json.loads(line)
             except json.JSONDecodeError as exc:
-                yield f"{path}:{lineno}", DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})")
+                yield location, DataError(f"{location}: not valid JSON ({exc.msg})")
 
 
 def _parquet_records(path: Path):
-    pq = require("pyarrow.parquet", "reading Parquet prompt data")
+    require("pyarrow", "reading Parquet prompt data")
+    import pyarrow.parquet as pq
+
     for row, record in enumerate(pq.read_table(path).to_pylist()):
         yield f"{path} row {row}", record
 
@@ -67,16 +76,41 @@ def _is_messages(value) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
+def check_record(location: str, record, *, input_key: str = "prompt", label_key: str | None = "label",
+                 metadata_key: str | None = None, require_label: bool = False) -> dict:
+    """The record (a dict) if it has what a run reads from it; else raise DataError naming ``location``."""
+    if isinstance(record, DataError):
+        raise record
+    if not isinstance(record, dict):
+        raise DataError(f"{location}: expected a JSON object, got {type(record).__name__}")
+    if input_key not in record:
+        raise DataError(f"{location}: no key '{input_key}' (--input-key); keys there: {sorted(record)}")
+    prompt = record[input_key]
+    if not (isinstance(prompt, str) or _is_messages(prompt)):
+        raise DataError(f"{location}: '{input_key}' must be a string or a list of chat messages")
+    if require_label and (label_key is None or record.get(label_key) is None):
+        raise DataError(f"{location}: no label under '{label_key}' (--label-key), which the reward / SFT needs; "
+                        f"keys there: {sorted(record)}")
+    metadata = record.get(metadata_key) if metadata_key else None
+    if metadata is not None and not isinstance(metadata, dict):
+        raise DataError(f"{location}: '{metadata_key}' must be an object, got {type(metadata).__name__}")
+    return record
+
+
 class PromptDataset:
     """Tokenized prompts of one file, in file order.
 
     ``samples[i].tokens`` holds the prompt ids; ``prompt`` the text the ids were made from (after the chat
-    template). Prompts longer than ``max_prompt_len`` tokens are dropped and counted in ``stats``.
+    template). Prompts longer than ``max_prompt_len`` tokens are dropped and counted in ``stats``; one longer
+    than ``context`` (the most prompt tokens the engine takes) is an error, found here rather than when drawn.
+    ``require_label``: a record without a label is malformed. ``skip_bad_records``: malformed records are
+    skipped and counted (``stats.skipped_bad``) instead of raising.
     """
 
     def __init__(self, path: str | Path, tokenizer, *, input_key: str = "prompt", label_key: str | None = "label",
                  metadata_key: str | None = None, apply_chat_template: bool = False,
-                 max_prompt_len: int | None = None, skip_bad_records: bool = False):
+                 max_prompt_len: int | None = None, skip_bad_records: bool = False, require_label: bool = False,
+                 context: int | None = None):
         if max_prompt_len is not None and max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
         self.path = Path(path)
@@ -86,6 +120,8 @@ class PromptDataset:
         self._apply_chat_template = apply_chat_template
         for location, record in read_records(path):
             try:
+                record = check_record(location, record, input_key=input_key, label_key=label_key,
+                                      metadata_key=metadata_key, require_label=require_label)
                 sample = self._to_sample(location, record, input_key, label_key, metadata_key)
             except DataError:
                 if not skip_bad_records:
@@ -96,26 +132,19 @@ class PromptDataset:
             if max_prompt_len is not None and len(sample.tokens) > max_prompt_len:
                 self.stats.filtered_too_long += 1
                 continue
+            if context is not None and len(sample.tokens) > context:
+                raise DataError(f"{location}: the prompt is {len(sample.tokens)} tokens, longer than the engine's "
+                                f"context takes ({context} tokens with room for a response); set "
+                                f"--rollout-max-prompt-len {context} (or less) to drop (and count) longer prompts")
             self.samples.append(sample)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def _to_sample(self, location, record, input_key, label_key, metadata_key) -> Sample:
-        if isinstance(record, DataError):
-            raise record
-        if not isinstance(record, dict):
-            raise DataError(f"{location}: expected a JSON object, got {type(record).__name__}")
-        if input_key not in record:
-            raise DataError(f"{location}: missing input key '{input_key}' (keys: {sorted(record)})")
-        prompt = record[input_key]
-        if not (isinstance(prompt, str) or _is_messages(prompt)):
-            raise DataError(f"{location}: '{input_key}' must be a string or a list of chat messages")
-        metadata = record.get(metadata_key) if metadata_key else None
-        if metadata is not None and not isinstance(metadata, dict):
-            raise DataError(f"{location}: '{metadata_key}' must be an object, got {type(metadata).__name__}")
-        text = self._render(location, prompt)
+        text = self._render(location, record[input_key])
         tokens = list(self._tokenizer.encode(text, add_special_tokens=not self._apply_chat_template))
+        metadata = record.get(metadata_key) if metadata_key else None
         return Sample(prompt=text, tokens=tokens, label=record.get(label_key) if label_key else None,
                       metadata=dict(metadata or {}))
 

@@ -68,16 +68,35 @@ class RolloutManager:
 
     async def generate_rollout(self) -> RolloutOutput:
         start = time.perf_counter()
+        reward_errors = self.reward.errors
         limit = asyncio.Semaphore(self.max_inflight)
         kept: list[list[Sample]] = []
         dropped = 0
         in_flight: set[asyncio.Task] = set()
+        try:
+            kept, dropped, leftover = await self._collect(in_flight, limit)
+        except BaseException:
+            # a failed reward or generate: stop the other groups now, so no task outlives the step
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            raise
+        metrics = self._metrics(kept, dropped, len(leftover), time.perf_counter() - start)
+        metrics["rollout/reward_errors"] = float(self.reward.errors - reward_errors)
+        return RolloutOutput(kept, metrics)
+
+    async def _collect(self, in_flight: set[asyncio.Task], limit: asyncio.Semaphore):
+        """(kept groups, dropped count, leftover groups) of one rollout step; ``in_flight`` holds the running
+        groups' tasks (the caller cancels them on failure)."""
+        kept: list[list[Sample]] = []
+        dropped = 0
         leftover_early: list[list[Sample]] = []
         while len(kept) < self.rollout_batch_size:
             if len(kept) + len(in_flight) < self.rollout_batch_size:
                 for group in self.data_source.get_groups(self.over_sampling_batch_size, self.n_samples_per_prompt):
                     in_flight.add(asyncio.create_task(self._run_group(group, limit)))
-            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            in_flight -= done
             for task in done:
                 group = task.result()
                 if _unfinished(group):  # aborted by someone else's pause; never trained on half a group
@@ -91,10 +110,11 @@ class RolloutManager:
         if in_flight:
             await self.engine.pause()
             leftover += list(await asyncio.gather(*in_flight))
+            in_flight.clear()
             await self.engine.resume()
         if self.partial_rollout:
             self.data_source.add_groups(leftover)
-        return RolloutOutput(kept, self._metrics(kept, dropped, len(leftover), time.perf_counter() - start))
+        return kept, dropped, leftover
 
     def _metrics(self, groups, dropped, leftover, seconds) -> dict[str, float]:
         samples = [s for g in groups for s in g]

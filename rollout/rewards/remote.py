@@ -2,18 +2,40 @@
 
 The server answers a JSON number, or an object holding the number under ``reward_key`` (default "reward").
 Transient failures (connection errors, timeouts, HTTP 5xx / 429) are retried with exponential backoff;
-other HTTP errors and malformed answers raise at once. At most ``max_concurrency`` requests are in flight.
+other HTTP errors and malformed answers raise at once, and each retry is logged (a failing server is never
+waited on in silence). At most ``max_concurrency`` requests are in flight. ``check_reachable`` is the start-up
+health check: is anything answering HTTP at the URL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import urllib.error
+import urllib.request
 
 from redline.extras import require
 
 
+log = logging.getLogger(__name__)
+
+
 class RemoteRewardError(RuntimeError):
     """The reward server failed or answered something that is not a reward."""
+
+
+def check_reachable(url: str, timeout: float) -> None:
+    """Raise RemoteRewardError unless an HTTP server answers at ``url`` within ``timeout`` seconds (any status:
+    a reward endpoint may refuse a GET and still be up)."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RemoteRewardError(f"--rm-url {url}: no reward server answers there ({reason}); start it, or fix "
+                                f"--rm-url") from None
 
 
 class RemoteRewardModel:
@@ -59,10 +81,21 @@ class RemoteRewardModel:
                     if reply.status != 200:
                         raise RemoteRewardError(f"reward server {self.url} answered HTTP {reply.status}: "
                                                 f"{(await reply.text())[:200]}")
-                    return self._parse(await reply.json(content_type=None))
+                    text = await reply.text()
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-        raise RemoteRewardError(f"reward server {self.url} failed {self.retries + 1} times; last error: {last_error}")
+                last_error = f"{type(exc).__name__}: {exc or f'no answer within {self.timeout:g} s'}"
+                if attempt < self.retries:
+                    log.warning("reward server %s: %s; retry %d of %d", self.url, last_error, attempt + 1,
+                                self.retries)
+                continue
+            try:
+                body = json.loads(text)
+            except json.JSONDecodeError:
+                raise RemoteRewardError(f"reward server {self.url} answered {text[:200]!r}, which is not "
+                                        f"JSON") from None
+            return self._parse(body)
+        raise RemoteRewardError(f"reward server {self.url} failed {self.retries + 1} times (--rm-max-retries "
+                                f"{self.retries}, --rm-timeout {self.timeout:g} s); last error: {last_error}")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -53,6 +53,10 @@ def test_unknown_section_is_rejected(tmp_path):
     ('rollout_batch_size = "many"', "expected an integer"),
     ("rollout_batch_size = 1.5", "expected an integer"),
     ("rollout_batch_size = true", "expected an integer"),
+    ('rollout_batch_size = "25"', "expected an integer, got str '25'"),
+    ('rollout_batch_size = "25x"', "expected an integer, got str '25x'"),
+    ('rollout_temperature = "0.5"', "expected a number, got str '0.5'"),
+    ('partial_rollout = "true"', "expected true/false"),
     ("rollout_temperature = \"hot\"", "expected a number"),
     ("partial_rollout = 1", "expected true/false"),
     ('rollout_engine = "vllm"', "'vllm' is not one of"),
@@ -80,7 +84,7 @@ def test_overrides_are_typed_and_named():
     assert config.train.global_batch_size == 64
     assert config.algo.use_kl_loss is True
     assert config.rollout.rollout_stop == ["</s>", "\n\n"]
-    with pytest.raises(ConfigError, match="--global-batch-size: expected an integer"):
+    with pytest.raises(ConfigError, match="--global-batch-size: 'lots' is not a valid integer"):
         apply_overrides(RunConfig(), {"global_batch_size": "lots"})
     with pytest.raises(ConfigError, match="unknown option --not-a-flag"):
         apply_overrides(RunConfig(), {"not_a_flag": "1"})
@@ -103,7 +107,7 @@ def test_cli_rejects_bad_flag_value_before_anything_runs(tmp_path):
     path = write(tmp_path, "[rollout]\nrollout_batch_size = 4\n")
     result = CliRunner().invoke(main, ["train", str(path), "--eps-clip", "wide"])
     assert result.exit_code == 2
-    assert "--eps-clip: expected a number" in result.output
+    assert "'--eps-clip': 'wide' is not a valid float" in result.output
 
 
 def test_cli_names_the_file_for_bad_toml(tmp_path):
@@ -111,3 +115,29 @@ def test_cli_names_the_file_for_bad_toml(tmp_path):
     result = CliRunner().invoke(main, ["train", str(path)])
     assert result.exit_code == 2
     assert f"{path}: not valid TOML" in result.output
+
+
+def test_cli_help_types_the_flags_and_groups_them_by_section():
+    help_text = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
+    sections = ["[model]", "[parallel]", "[data]", "[rollout]", "[algo]", "[train]", "[sync]", "[checkpoint]"]
+    positions = [help_text.index(f"{s}:") for s in sections]
+    assert positions == sorted(positions)
+    rollout = help_text[help_text.index("[rollout]:"):help_text.index("[algo]:")]
+    assert "--rollout-batch-size INTEGER" in rollout and "--global-batch-size" not in rollout
+    assert "--rollout-temperature FLOAT" in rollout
+    assert "--advantage-estimator [grpo|dr_grpo|rloo|" in help_text
+    assert "--kl-loss-type [k1|k2|k3|low_var_kl]" in help_text
+    assert "--dtype [bfloat16|float32|float16]" in help_text
+    assert "--loss-agg-mode [token-mean|" in help_text
+    assert "--reward-error [fail|zero]" in help_text
+    assert "--debug" in help_text
+
+
+def test_cli_refuses_a_mistyped_flag_by_its_type(tmp_path):
+    path = write(tmp_path, "[rollout]\nrollout_batch_size = 4\n")
+    result = CliRunner().invoke(main, ["train", str(path), "--advantage-estimator", "grpoo"])
+    assert result.exit_code == 2
+    assert "'grpoo' is not one of 'grpo', 'dr_grpo'" in result.output
+    result = CliRunner().invoke(main, ["train", str(path), "--num-rollout", "2.5"])
+    assert result.exit_code == 2
+    assert "'2.5' is not a valid integer" in result.output

@@ -53,7 +53,7 @@ def test_malformed_line_raises_with_file_and_line(tmp_path, tokenizer):
 
 def test_missing_input_key_names_line(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "bad.jsonl", [json.dumps({"question": "x"})])
-    with pytest.raises(DataError, match=r"bad\.jsonl:1: missing input key 'prompt'"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: no key 'prompt' \(--input-key\)"):
         PromptDataset(path, tokenizer)
 
 

@@ -89,7 +89,8 @@ def test_server_errors_are_retried():
 def test_gives_up_after_retries():
     with RewardServer(fail_first=100) as server:
         model = RemoteRewardModel(server.url, retries=2, backoff=0.01)
-        with pytest.raises(RemoteRewardError, match="failed 3 times; last error: HTTP 503"):
+        with pytest.raises(RemoteRewardError,
+                           match=r"failed 3 times \(--rm-max-retries 2, --rm-timeout 120 s\); last error: HTTP 503"):
             asyncio.run(score_all(model, ["a"]))
         assert server.requests == 3
 
