@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .linear_logprobs_triton import dz_tile
+from .tuning_buckets import bucket
 
 STRIDE_ALIGN = 8  # elements: TMA wants 16-byte row strides (bf16/fp16; fp32 rows need 4)
 
@@ -73,8 +74,9 @@ def _stats_configs():
 def tuning_key(n: int) -> int:
     """The autotuners' key for a row or column count: its power-of-two bucket. Keyed by the exact count, every new
     batch size in an RL run (and every token chunk's tail) would time all configs again, each time holding
-    ``do_bench``'s 256 MB cache-flush buffer beside the op's workspace."""
-    return triton.next_power_of_2(n)
+    ``do_bench``'s 256 MB cache-flush buffer beside the op's workspace. Which keys a run reaches:
+    ``tuning_buckets``; their choices persist across runs in ``tuning_table``."""
+    return bucket(n)
 
 
 # columns per statistics piece: fixed across the autotuner's configs, since the partials' layout depends on it

@@ -18,6 +18,7 @@ from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel, init_data_p
 from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.step import RunState, rl_step
 from redline.loop.validate import check_distributed_timeout, loss_config, validate
+from redline.loop.warmup import CompileClock, warm_up, warmup_enabled
 from redline.loop.worker import TrainerWorker
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -226,9 +227,16 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
                           f"eval reward {warm.get('eval/reward_mean', float('nan')):.3f}")
     began = time.perf_counter()
     sft_only = config.algo.loss_type == "sft"
+    compile_clock, startup = None, {}
+    if state.worker.device.type == "cuda" and not sft_only and warmup_enabled():  # CPU: PyTorch kernels, no Triton
+        compile_clock = CompileClock().install()
+        startup = warm_up(state, console, compile_clock)
     for rollout_id in range(start, config.rollout.num_rollout):
         step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
         step = rollout_id + 1
+        if compile_clock:  # what this step still paid in Triton compilation; the first also the start-up's cost
+            step_metrics.update(compile_clock.take(), **startup)
+            startup = {}
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
             step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
         log(step, step_metrics)
