@@ -6,7 +6,8 @@ imitation alone is right one time in five and RL has to find which answer the re
 ``hf_checkpoint = "builtin:<model>"`` writes a Qwen3-architecture model with random weights and a
 character-level tokenizer made with ``tokenizers``. Both land in ``<output_dir>/builtin/``. The models
 (``MODELS``): ``tiny`` (~0.2M parameters, the CPU quickstart), ``50m`` (the quickstart task on a GPU) and
-``qwen3-1.7b`` (Qwen3-1.7B's shape, vocabulary included, for step-time measurements; it learns nothing useful).
+``qwen3-1.7b``, ``qwen3-4b``, ``qwen3-8b`` (those Qwen3 models' shapes, vocabulary included, for step-time
+measurements; they learn nothing useful).
 """
 
 import json
@@ -29,6 +30,13 @@ MODELS = {
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, vocab_size=151936),
+    # Qwen/Qwen3-4B's and Qwen/Qwen3-8B's config.json (4.02B tied, 8.19B untied): the end-to-end benchmark's shapes
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, vocab_size=151936),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, vocab_size=151936),
 }
 
 
