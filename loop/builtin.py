@@ -69,6 +69,9 @@ def addition_task(folder: Path, *, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
+TASKS = {"addition": addition_task}  # built-in task name -> writer of its train / eval / sft files
+
+
 def char_tokenizer(vocab_size: int | None = None):
     """A character-level ``PreTrainedTokenizerFast``: one id per character, ``<|endoftext|>`` as EOS and PAD.
 
@@ -118,16 +121,21 @@ def builtin_model(folder: Path, name: str, *, seed: int = 0, dtype: torch.dtype 
 def materialize(config, builtin_dir: Path) -> dict[str, str]:
     """Resolve ``builtin:`` values of the config into real paths; returns ``{field: path}`` overrides."""
     overrides = {}
-    if is_builtin(config.data.prompt_data):
-        name = config.data.prompt_data[len(PREFIX):]
-        if name != "addition":
-            raise ValueError(f"--prompt-data {config.data.prompt_data}: unknown built-in task (known: addition)")
-        paths = addition_task(builtin_dir / "addition", seed=config.train.seed)
-        overrides["prompt_data"] = str(paths["train"])
-        if config.data.eval_prompt_data in (None, config.data.prompt_data):
-            overrides["eval_prompt_data"] = str(paths["eval"])
-        if config.data.sft_prompt_data in (None, config.data.prompt_data):
-            overrides["sft_prompt_data"] = str(paths["sft"])
+    # a built-in task name means its file of the role it is given, wherever it appears; the RL prompts' task also
+    # supplies the eval and SFT files the config leaves unset
+    roles = {"prompt_data": "train", "eval_prompt_data": "eval", "sft_prompt_data": "sft"}
+    for key, role in roles.items():
+        value = getattr(config.data, key)
+        if not is_builtin(value):
+            continue
+        if value[len(PREFIX):] not in TASKS:
+            raise ValueError(f"--{key.replace('_', '-')} {value}: unknown built-in task (known: {', '.join(TASKS)})")
+        paths = TASKS[value[len(PREFIX):]](builtin_dir / value[len(PREFIX):], seed=config.train.seed)
+        overrides[key] = str(paths[role])
+        if key == "prompt_data":
+            for other in ("eval_prompt_data", "sft_prompt_data"):
+                if getattr(config.data, other) is None:
+                    overrides[other] = str(paths[roles[other]])
     if is_builtin(config.model.hf_checkpoint):
         name = config.model.hf_checkpoint[len(PREFIX):]
         if name == "tiny":  # float32 on the CPU whatever the run: the quickstart's weights are the same everywhere
