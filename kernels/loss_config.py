@@ -30,8 +30,9 @@ class LossConfig:
     ``eps_clip_high`` is resolved at construction: ``None`` becomes ``eps_clip`` for ppo/gspo, so after
     ``__post_init__`` it is always a float. cispo has no symmetric default and needs it explicitly.
     ``eps_clip_c`` (dual clip) applies to ppo/gspo only. ``tis_clip_low``/``tis_clip`` bound the
-    train/inference importance weight when ``tis`` is set. ``agg_constant`` is the Dr.GRPO divisor of
-    ``seq-mean-token-sum-norm`` and is accepted with that mode only.
+    train/inference importance weight when ``tis`` is set. ``agg`` is the loss aggregation (formulas in
+    ``reference.policy_loss_reference``; the seq-mean modes divide by every sequence, empty ones included).
+    ``agg_constant`` is the Dr.GRPO divisor of ``seq-mean-token-sum-norm`` and is accepted with that mode only.
     """
 
     estimator: str = "ppo"

@@ -17,16 +17,14 @@ def _per_seq(x, seq, num_seqs):
 
 def _aggregation_weights(mask, seq, num_seqs: int, agg: str, agg_constant, dtype) -> torch.Tensor:
     weights = mask.to(dtype)
-    tokens_per_seq = _per_seq(weights, seq, num_seqs)
-    nonempty = (tokens_per_seq > 0).sum().clamp(min=1)
     if agg == "token-mean":
         scale = (1 / weights.sum().clamp(min=1)).expand(num_seqs)
-    elif agg == "seq-mean-token-mean":
-        scale = 1 / (nonempty * tokens_per_seq.clamp(min=1))
+    elif agg == "seq-mean-token-mean":  # S counts empty sequences too (reference.policy_loss_reference)
+        scale = 1 / (num_seqs * _per_seq(weights, seq, num_seqs).clamp(min=1))
     elif agg == "seq-mean-token-sum":
-        scale = (1 / nonempty).expand(num_seqs)
+        scale = torch.full((num_seqs,), 1 / num_seqs, dtype=dtype, device=mask.device)
     else:
-        scale = torch.full((num_seqs,), 1 / (num_seqs * agg_constant), device=mask.device)
+        scale = torch.full((num_seqs,), 1 / (num_seqs * agg_constant), dtype=dtype, device=mask.device)
     return torch.where(mask, scale.to(dtype)[seq], torch.zeros((), dtype=dtype, device=mask.device))
 
 

@@ -4,12 +4,12 @@ The math is ``redline.kernels.reference.policy_loss_reference``. No host sync; o
 buffer besides the two launches. Both launches run one program per BLOCK consecutive tokens of the packed
 batch (grid ``(⌈T/BLOCK⌉,)``), whatever the sequence lengths: every program has the same work, and a long
 sequence is spread over as many programs as a short batch of them.
-  pass 1  (``_sequence_stats_kernel``) where per-sequence sums are needed (gspo; the seq-mean aggregations):
+  pass 1  (``_sequence_stats_kernel``) where per-sequence sums are needed (gspo; seq-mean-token-mean):
           each token finds its sequence in ``cu_seqlens`` (binary search), and one segmented scan over the block
           sums masked-token count, log-ratio and w·A split by the sign of A per (block, sequence) piece. The
           pieces of sequence s lie in blocks b_first(s) … b_last(s) and go to slots ``b + s`` — distinct for all
-          pieces, consecutive for one sequence. Integer atomics count the batch's masked tokens and its
-          sequences with at least one (exact in any order).
+          pieces, consecutive for one sequence. An integer atomic counts the batch's masked tokens (exact in any
+          order). The seq-mean aggregations divide by S, every sequence, so no count of non-empty ones.
   pass 2  (``_token_loss_kernel``) per token: its sequence's totals — a sequence lying inside the block has one
           slot; only the block's first and last sequence may span other blocks, and their slot ranges are
           summed in a fixed order — then the loss term, its gradients and the block's partial sums of loss
@@ -119,7 +119,7 @@ def _sequence_stats_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, rollout_ptr, cu
     offs = block * BLOCK + lane
     in_range = offs < num_tokens
     m = in_range & (tl.load(mask_ptr + offs, mask=in_range, other=0) != 0)
-    # counters: [masked tokens, sequences with a masked token, pass-2 ticket, per-sequence "seen" flags...]
+    # counters: [masked tokens, pass-2 ticket]
     tl.atomic_add(counters_ptr, tl.sum(m.to(tl.int32), 0))
     if PER_SEQ:
         seq, start, end = _token_sequence(cu_seqlens_ptr, offs, num_tokens, num_seqs, HAS_CU, SEARCH_STEPS)
@@ -146,9 +146,6 @@ def _sequence_stats_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, rollout_ptr, cu
         tl.store(slots_ptr + slot + 1, log_ratio, mask=last)
         tl.store(slots_ptr + slot + 2, adv_pos, mask=last)
         tl.store(slots_ptr + slot + 3, adv_neg, mask=last)
-        has_tokens = last & (count > 0)
-        seen_before = tl.atomic_max(counters_ptr + 3 + seq, has_tokens.to(tl.int32), mask=has_tokens)
-        tl.atomic_add(counters_ptr + 1, tl.sum((has_tokens & (seen_before == 0)).to(tl.int32), 0))
 
 
 @triton.jit
@@ -192,7 +189,6 @@ def _token_loss_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, rollout_pt
     in_range = offs < num_tokens
     m = in_range & (tl.load(mask_ptr + offs, mask=in_range, other=0) != 0)
     token_scale = 1.0 / tl.maximum(tl.load(counters_ptr).to(tl.float32), 1.0)
-    nonempty = tl.maximum(tl.load(counters_ptr + 1).to(tl.float32), 1.0)
     if PER_SEQ:
         # each token's sequence totals: one slot for a sequence inside the block; the block's first and last
         # sequence may span other blocks and are summed over their slots
@@ -206,13 +202,14 @@ def _token_loss_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, rollout_pt
         own = (block + seq) * 4
         n = tl.where(is_first, _column(totals_first, 0), tl.where(
             is_last, _column(totals_last, 0), tl.load(slots_ptr + own, mask=in_range, other=0.0)))
-    # d loss / d (masked token's x_t): the aggregation's weight of every token of its sequence
+    # d loss / d (masked token's x_t): the aggregation's weight of every token of its sequence; the seq-mean
+    # modes divide by S, empty sequences included
     if AGG == 0:
         scale = token_scale
     elif AGG == 1:
-        scale = 1.0 / (nonempty * tl.maximum(n, 1.0))
+        scale = 1.0 / (num_seqs * tl.maximum(n, 1.0))
     elif AGG == 2:
-        scale = 1.0 / nonempty
+        scale = token_scale * 0.0 + 1.0 / num_seqs
     else:
         scale = token_scale * 0.0 + 1.0 / (num_seqs * AGG_CONSTANT)
     if ESTIMATOR == 1:
@@ -296,7 +293,7 @@ def _token_loss_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, rollout_pt
     tl.store(prog_sums_ptr + block * 8 + cols, sums)
     # all of this program's stores are issued before the (acq_rel) ticket publishes them
     tl.debug_barrier()
-    ticket = tl.atomic_add(counters_ptr + 2, 1)
+    ticket = tl.atomic_add(counters_ptr + 1, 1)
     if ticket == num_programs - 1:
         total = tl.zeros([REDUCE_ROWS, 8], tl.float32)
         for row0 in range(0, num_programs, REDUCE_ROWS):
@@ -335,7 +332,7 @@ def policy_loss_grads_triton(logp, old_logp, advantages, mask, *, cfg: LossConfi
         t if t is None else t.contiguous() for t in (logp, old_logp, advantages, mask, ref_logp, rollout_logp, entropy))
     device = logp.device
     num_blocks = max(1, triton.cdiv(num_tokens, block))
-    counters = torch.zeros(3 + num_seqs, dtype=torch.int32, device=device)
+    counters = torch.zeros(2, dtype=torch.int32, device=device)
     # every slot a pass-2 program reads was written by pass 1 (only non-empty sequences' pieces are read)
     slots = torch.empty((num_blocks + num_seqs) * SEQ_STATS, dtype=torch.float32, device=device)
     prog_sums = torch.empty(num_blocks * PROGRAM_SUMS, dtype=torch.float32, device=device)
@@ -350,7 +347,7 @@ def policy_loss_grads_triton(logp, old_logp, advantages, mask, *, cfg: LossConfi
     tis_low, tis_high = (float(cfg.tis_clip_low), float(cfg.tis_clip)) if tis else (0.0, 0.0)
     gspo = cfg.estimator == "gspo"
     shape = dict(HAS_CU=cu_seqlens is not None, SEARCH_STEPS=num_seqs.bit_length(),
-                 PER_SEQ=gspo or cfg.agg in ("seq-mean-token-mean", "seq-mean-token-sum"), TIS=tis, TIS_LOW=tis_low,
+                 PER_SEQ=gspo or cfg.agg == "seq-mean-token-mean", TIS=tis, TIS_LOW=tis_low,
                  TIS_HIGH=tis_high, BLOCK=block, num_warps=num_warps)
     _sequence_stats_kernel[(num_blocks,)](logp, old_logp, advantages, mask, rollout, cu, slots, counters, num_tokens,
                                           num_seqs, GSPO=gspo, **shape)

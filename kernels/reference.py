@@ -44,7 +44,14 @@ def policy_loss_reference(logp, old_logp, advantages, mask, *, cfg: LossConfig, 
                    icepop: pg_t *= w if low <= w <= high else 0
       kl           kl_estimate(logp - ref_logp, kl_type) (zero without ref_logp)
       total        x_t = pg_t + kl_coef·kl_t - entropy_coef·entropy_t
-    The loss is ``aggregate(x)``; metrics pg_loss/kl/entropy use the same aggregation, the rest are token-means.
+    The loss is ``aggregate(x)`` over the S sequences of ``cu_seqlens``, n_i masked tokens in sequence i:
+      token-mean               Σ_i Σ_t x_t / max(Σ_i n_i, 1)
+      seq-mean-token-mean      Σ_i (Σ_t x_t / max(n_i, 1)) / S
+      seq-mean-token-sum       Σ_i Σ_t x_t / S
+      seq-mean-token-sum-norm  Σ_i Σ_t x_t / (S · agg_constant)
+    S counts every sequence, also one whose mask is empty (it adds 0 to the sum and 1 to S): a sample removed
+    from training by masking all its tokens still counts, as slime, TRL and verl's engine count it.
+    Metrics pg_loss/kl/entropy use the same aggregation, the rest are token-means.
     ``clipfrac`` counts tokens whose loss came from a clipped branch (ratio clip or dual clip; cispo: the ratio
     lies outside its bounds), ``tis_mean`` is the token-mean of the applied weight (1 without tis) and
     ``tis_clipfrac`` the token-mean of ``w`` falling outside [tis_clip_low, tis_clip].
@@ -65,13 +72,12 @@ def policy_loss_reference(logp, old_logp, advantages, mask, *, cfg: LossConfig, 
 
     def aggregate(x):
         per_seq = torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq, masked(x))
-        nonempty = tokens_per_seq > 0
         if cfg.agg == "token-mean":
             return per_seq.sum() / weights.sum().clamp(min=1)
         if cfg.agg == "seq-mean-token-mean":
-            return (per_seq / tokens_per_seq.clamp(min=1)).sum() / nonempty.sum().clamp(min=1)
+            return (per_seq / tokens_per_seq.clamp(min=1)).sum() / num_seqs
         if cfg.agg == "seq-mean-token-sum":
-            return per_seq.sum() / nonempty.sum().clamp(min=1)
+            return per_seq.sum() / num_seqs
         return per_seq.sum() / (num_seqs * cfg.agg_constant)
 
     log_ratio = masked(logp - old_logp)

@@ -116,15 +116,9 @@ def balance_across_ranks(batches: list[list[int]], lengths: list[int], world_siz
 
 def aggregation_weight(batch: MicroBatch, agg: str) -> int:
     """How many units the loss aggregation ``agg`` averages over in this micro-batch: masked tokens for
-    token-mean, all sequences for seq-mean-token-sum-norm (its divisor is S · constant), else sequences with at
-    least one masked token. A micro-batch's loss times ``weight / Σ weights over the step`` sums to the loss
-    aggregated over the whole step."""
+    token-mean, every sequence for the seq-mean modes — also one whose loss mask is empty, as slime, TRL and
+    verl count it (the policy loss divides by S, ``redline.kernels.reference``). A micro-batch's loss times
+    ``weight / Σ weights over the step`` sums to the loss aggregated over the whole step."""
     if agg == "token-mean":
         return int(batch.loss_mask.sum())
-    if agg == "seq-mean-token-sum-norm":
-        return len(batch.sample_ids)
-    counts = torch.zeros(len(batch.sample_ids), dtype=torch.long)
-    seq_of_position = torch.repeat_interleave(torch.arange(len(batch.sample_ids)),
-                                              torch.diff(batch.cu_seqlens.long()))
-    counts.index_add_(0, seq_of_position, batch.loss_mask.long())
-    return int((counts > 0).sum())
+    return len(batch.sample_ids)

@@ -104,11 +104,12 @@ def test_tis_weights(mode, low, expected_weights, expected_outside):
 
 
 # x_t = entropy_t (A = 0, entropy_coef = -1): sequence 0 has x = 1, 3; sequence 1 is empty; sequence 2 has x = 5
-# and one masked-out token (x = 100, must not count)
+# and one masked-out token (x = 100, must not count). The seq-mean modes divide by all 3 sequences, the empty
+# one included (slime, TRL and verl's engine count a sample with an empty loss mask).
 @pytest.mark.parametrize("agg,agg_constant,expected", [
     ("token-mean", None, (1 + 3 + 5) / 3),
-    ("seq-mean-token-mean", None, ((1 + 3) / 2 + 5 / 1) / 2),
-    ("seq-mean-token-sum", None, (4 + 5) / 2),
+    ("seq-mean-token-mean", None, ((1 + 3) / 2 + 0 + 5 / 1) / 3),
+    ("seq-mean-token-sum", None, (4 + 0 + 5) / 3),
     ("seq-mean-token-sum-norm", 2.0, (1 + 3 + 5) / (3 * 2.0)),
 ])
 def test_aggregations_over_ragged_sequences(agg, agg_constant, expected):

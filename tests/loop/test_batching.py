@@ -3,7 +3,10 @@
 import pytest
 import torch
 
+from redline.kernels import LossConfig
+from redline.kernels.reference import policy_loss_reference
 from redline.loop.batching import aggregation_weight, balance_across_ranks, pack, split_by_token_budget
+from redline.loop.data_parallel import SINGLE_PROCESS
 from redline.rollout.types import Sample
 
 
@@ -61,5 +64,31 @@ def test_aggregation_weights():
     samples = [sample([1], [2, 3]), sample([4], [5], mask=[0])]
     mb = pack(samples, [0, 1], {})
     assert aggregation_weight(mb, "token-mean") == 2
-    assert aggregation_weight(mb, "seq-mean-token-mean") == 1
+    # the seq-mean modes count the sample whose loss mask is empty too
+    assert aggregation_weight(mb, "seq-mean-token-mean") == 2
+    assert aggregation_weight(mb, "seq-mean-token-sum") == 2
     assert aggregation_weight(mb, "seq-mean-token-sum-norm") == 2
+
+
+@pytest.mark.parametrize("agg,agg_constant", [("token-mean", None), ("seq-mean-token-mean", None),
+                                              ("seq-mean-token-sum", None), ("seq-mean-token-sum-norm", 4.0)])
+def test_weighted_micro_batch_losses_sum_to_the_whole_steps_loss(agg, agg_constant):
+    """What the step does (loss of each micro-batch × its share of the step's aggregation units) equals the loss
+    aggregated over all the step's samples at once — with a sample whose loss mask is empty (slime's removed
+    sample) in the step."""
+    samples = [sample([1, 2], [3, 4, 5]), sample([6], [7, 8], mask=[0, 0]), sample([9], [10, 11, 12, 13]),
+               sample([14, 15], [16], mask=[1]), sample([17], [18, 19], mask=[0, 1])]
+    gen = torch.Generator().manual_seed(0)
+    per_token = {name: [torch.randn(s.response_length, generator=gen, dtype=torch.float64) for s in samples]
+                 for name in ("logp", "advantages")}
+    cfg = LossConfig(estimator="cispo", eps_clip_high=0.3, agg=agg, agg_constant=agg_constant)
+
+    def loss_of(batch):
+        logp, adv = batch.token_values["logp"].double(), batch.token_values["advantages"].double()
+        return policy_loss_reference(logp, logp + 0.1, adv, batch.loss_mask, cfg=cfg,
+                                     cu_seqlens=batch.cu_seqlens)[0]
+
+    batches = [pack(samples, ids, per_token) for ids in ([0, 1], [2], [3, 4])]
+    weights = SINGLE_PROCESS.loss_weights([aggregation_weight(b, agg) for b in batches])
+    stepped = sum(w * loss_of(b) for w, b in zip(weights, batches))
+    assert stepped.item() == pytest.approx(loss_of(pack(samples, range(5), per_token)).item(), rel=1e-6)
