@@ -150,9 +150,13 @@ class SyncConfig:
                                             "layer's tensors never split)")
     offload_rollout: bool = option(False, "colocated: the engine releases its weights and KV cache after each "
                                    "rollout and takes them back around the weight sync")
-    check_sglang_weights: bool = option(False, "after each push into SGLang, compare the servers' /weights_checker "
-                                        "hashes of their parameters with the sent tensors (a mismatch stops the "
-                                        "run); off by default: a 0.6B server dropped the connection on it once")
+    check_weights: bool = option(False, "check every row of every weight-sync bucket on every push (default: "
+                                 "every 16th row); with SGLang servers (--no-colocate) it also turns on "
+                                 "--check-sglang-weights")
+    check_sglang_weights: bool = option(False, "--no-colocate with SGLang servers: after each push, compare the "
+                                        "servers' /weights_checker hashes of their parameters with the sent "
+                                        "tensors (a mismatch stops the run); a colocated SGLang push is always "
+                                        "checked this way (the only check SGLang offers)")
 
 
 @dataclass

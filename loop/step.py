@@ -142,6 +142,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     t0 = clock()
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
     sync_time = clock() - t0
+    metrics.update(state.weight_sync.timings)  # the transition's phases: release, resume weights, sync, ...
 
     if state.kl_controller and kl is not None:
         kl_sum, kl_tokens, n_samples = dp.sum_tensor(

@@ -94,13 +94,16 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     console.print(f"rollout engine: {engine_name}")
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if config.parallel.colocate:
+        # zero-copy where the worker keeps its compute weights in flat storages laid out as the plan
         weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
-                                 offload=config.sync.offload_rollout, verify=config.sync.check_sglang_weights)
+                                 offload=config.sync.offload_rollout, device=device,
+                                 check_weights=config.sync.check_weights,
+                                 flat_buckets=getattr(worker, "flat_weight_buckets", None))
     else:
         weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
                                           bucket_bytes=config.sync.update_weight_buffer_size, device=device,
                                           timeout_s=config.parallel.distributed_timeout_minutes * 60,
-                                          verify=config.sync.check_sglang_weights)
+                                          verify=config.sync.check_sglang_weights or config.sync.check_weights)
         try:
             loop.run_until_complete(weight_sync.connect())
         except BaseException:
