@@ -10,17 +10,43 @@ from pathlib import Path
 
 PHASES = ("perf/rollout_time", "perf/offload_rollout_time", "perf/logprob_time", "perf/train_time",
           "perf/update_weights_time", "perf/idle_time")  # they add up to perf/step_time
+# The colocated transition (pause train → resume engine weights → sync → resume KV cache → generate → release →
+# resume train) inside the phases above: a phase's parts stack in its place in phase_times.png and are listed
+# under it in the report; what the phase holds beyond them shows as "<phase>: other".
+PHASE_PARTS = {
+    "perf/offload_rollout_time": ("perf/release_time", "perf/resume_train_time"),
+    "perf/update_weights_time": ("perf/pause_train_time", "perf/resume_weights_time", "perf/sync_time",
+                                 "perf/check_weights_time", "perf/resume_kv_time"),
+}
+PHASE_PLOT = "phase_times.png"  # stacked seconds per phase (phase_segments), drawn apart from PLOTS
 PLOTS = {
     "reward.png": ("rollout/reward_mean", "eval/reward_mean"),
     "kl.png": ("train/kl", "train/approx_kl"),
     "entropy.png": ("train/entropy",),
-    "phase_times.png": PHASES,
     # GPU telemetry (redline.gpu_telemetry): drawn only when the run sampled a GPU
     "gpu_util.png": ("perf/gpu_util",),
     "gpu_memory.png": ("perf/gpu_mem_gb",),
     "gpu_power.png": ("perf/gpu_power_w",),
     "gpu_sm_clock.png": ("perf/gpu_sm_clock_mhz",),
 }
+
+
+def short(key: str) -> str:
+    return key.removeprefix("perf/").removesuffix("_time")
+
+
+def phase_segments(record: dict) -> list[tuple[str, float]]:
+    """``(name, seconds)`` stacking up to the record's ``perf/step_time``: each phase of ``PHASES``, or where the
+    record has parts of it (``PHASE_PARTS``), those parts and ``"<phase>: other"``, the rest of the phase."""
+    segments = []
+    for key in PHASES:
+        total = record.get(key, 0.0)
+        parts = [(short(p), record[p]) for p in PHASE_PARTS.get(key, ()) if p in record]
+        if parts:
+            segments += parts + [(f"{short(key)}: other", max(total - sum(s for _, s in parts), 0.0))]
+        else:
+            segments.append((short(key), total))
+    return segments
 
 
 class MetricsLog:
@@ -87,7 +113,26 @@ class MetricsLog:
             fig.savefig(self.dir / name, dpi=100)
             plt.close(fig)
             written.append(self.dir / name)
+        rows = sorted((r for r in self.records if "perf/step_time" in r), key=lambda r: r["step"])
+        if rows:
+            written.append(self._plot_phases(plt, rows))
         return written
+
+    def _plot_phases(self, plt, rows: list[dict]) -> Path:
+        """Seconds per phase of every step, stacked (the transition's parts in place of their phase)."""
+        per_step = [dict(phase_segments(r)) for r in rows]
+        names = list(dict.fromkeys(name for segments in per_step for name in segments))
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.stackplot([r["step"] for r in rows], [[s.get(n, 0.0) for s in per_step] for n in names], labels=names)
+        ax.set_title("Step time by phase", fontsize=10)
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel("seconds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.tight_layout()
+        fig.savefig(self.dir / PHASE_PLOT, dpi=100)
+        plt.close(fig)
+        return self.dir / PHASE_PLOT
 
     def report(self, title: str, notes: list[str]) -> Path:
         """A short markdown summary: first/last/best of the headline metrics, timings, and the plots."""
@@ -114,9 +159,12 @@ class MetricsLog:
         step = sum(r["perf/step_time"] for r in rows) / len(rows)
         lines = ["", f"Step-time breakdown, mean of steps {rows[0]['step']}–{rows[-1]['step']}:", "",
                  "| phase | seconds | share |", "| --- | ---: | ---: |"]
+        mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)
         for key in PHASES:
-            mean = sum(r.get(key, 0.0) for r in rows) / len(rows)
-            lines.append(f"| {key.removeprefix('perf/').removesuffix('_time')} | {mean:.4f} | {mean / step:.1%} |")
+            lines.append(f"| {short(key)} | {mean(key):.4f} | {mean(key) / step:.1%} |")
+            for part in PHASE_PARTS.get(key, ()):
+                if any(part in r for r in rows):
+                    lines.append(f"| {short(key)}: {short(part)} | {mean(part):.4f} | {mean(part) / step:.1%} |")
         lines.append(f"| step | {step:.4f} | 100% |")
         return lines
 

@@ -1,11 +1,14 @@
 """The trainer → engine weight push of the RL loop, through ``redline.sync``'s bucket plan.
 
 The plan (``redline.sync.plan.plan_for``) is made once from the model's HF-named export: dtype-homogeneous
-buckets of at most ``--update-weight-buffer-size`` bytes, a layer's tensors never split. Each sync streams the
-export through it (``named_buckets``) into ``engine.update_weights``: the embedded engine copies each bucket
-into its fused tensors, the embedded engine process receives it by shared memory / CUDA IPC, SGLang gets one
-``FlattenedTensorBucket`` payload per bucket (serialized by ``SGLangEngine``); with ``--check-sglang-weights``
-the servers' hashes of their parameters must then equal those of the sent tensors (``verify_weights``).
+buckets of at most ``--update-weight-buffer-size`` bytes, a layer's tensors never split. Every colocated push
+goes through ``redline.sync`` and is checked (``WeightSync``): into the embedded engine process by the
+pipelined protocol (persistent staging slots mapped once, the trainer packing bucket k+1 while the engine loads
+bucket k, per-bucket checksums) or zero-copy out of flat trainer storage; into the in-process embedded engine by
+direct copies compared afterwards or pack + fused load with checksums; into SGLang by one
+``FlattenedTensorBucket`` payload per bucket (``SGLangEngine`` packs the next while the server loads the
+current), checked with the servers' ``/weights_checker`` hashes. Checks read every 16th row of a bucket by
+default and every row with ``--check-weights``; a mismatch raises, naming the buckets.
 
 With ``--offload-rollout`` the engine gives its memory back after each rollout and the push follows the
 colocated sequence of ``redline.rollout.engine``: ``resume_memory({"weights"})`` → ``update_weights`` →
@@ -17,10 +20,13 @@ SGLang builds it, and the engines' GPUs the next ranks; every push broadcasts th
 gloo on the CPU) while the engines receive and load them. Embedded engine processes post their receives from the
 plan and the push ends with the group's checksum comparison (a mismatch raises ``ChecksumMismatch``); SGLang
 servers get each bucket announced by ``/update_weights_from_distributed`` just before its broadcast, and with
-``--check-sglang-weights`` their parameter hashes are compared afterwards, as on the colocated path.
+``--check-sglang-weights`` (or ``--check-weights``) their parameter hashes are compared afterwards, as on the
+colocated path.
 """
 
 import asyncio
+import os
+import time
 from datetime import timedelta
 
 import torch
@@ -30,48 +36,142 @@ from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 
 
+SAMPLED_ROW_STRIDE = 16  # the default check reads every 16th 8 KiB row of a bucket (and its last)
+IN_PROCESS_ENV = "REDLINE_IN_PROCESS_SYNC"
+# the colocated transition's phases of one step, as ``WeightSync.timings`` reports them
+TRANSITION_METRICS = ("perf/release_time", "perf/resume_weights_time", "perf/sync_time", "perf/check_weights_time",
+                      "perf/resume_kv_time")
+
+
+def in_process_mode() -> str:
+    """``REDLINE_IN_PROCESS_SYNC``: ``direct`` (the default: the engine copies the export, one copy, then the
+    bytes are compared) or ``staged`` (pack + fused load, two copies, checksums in the same passes)."""
+    mode = os.environ.get(IN_PROCESS_ENV, "direct")
+    if mode not in ("direct", "staged"):
+        raise ValueError(f"{IN_PROCESS_ENV} must be 'direct' or 'staged', got {mode!r}")
+    return mode
+
+
+def _clock(device: torch.device) -> float:
+    """Seconds, after ``device``'s queued work (each phase is charged its own GPU time)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def describe_plan(plan: WeightPlan) -> str:
     sizes = [b.nbytes for b in plan.buckets]
     return f"{len(sizes)} buckets, {plan.nbytes / 2**20:.1f} MiB (largest {max(sizes) / 2**20:.1f} MiB)"
 
 
 class WeightSync:
-    """Owns the bucket plan and the engine's memory state between rollouts.
+    """Owns the bucket plan, the engine's memory state between rollouts and the check of every push.
 
-    ``model``: a ``redline.trainer.models`` decoder (``export_hf()``); ``engine``: any rollout engine.
+    ``model``: a ``redline.trainer.models`` decoder (``export_hf()``); ``engine``: the colocated rollout engine;
+    ``device``: the trainer's. How a push travels depends on the engine (``mode``):
+
+    * ``pipelined`` / ``zero-copy``: an engine in its own process (``EmbeddedEngineProcess.weight_sender``):
+      ``redline.sync.protocol`` over CUDA IPC (shared memory on the CPU), staging slots mapped once; zero-copy
+      when ``flat_buckets(plan)`` returns the flat uint8 storages the trainer's compute weights live in, laid out
+      as the plan (None: they are not, pipelined then);
+    * ``direct`` / ``staged``: the in-process embedded engine (``REDLINE_IN_PROCESS_SYNC``, default direct):
+      the engine copies the export itself and the result is compared, or pack + fused load with checksums
+      (``redline.sync.local``);
+    * ``sglang``: SGLang's ``/update_weights_from_tensor`` (the engine packs bucket k+1 while the server loads
+      bucket k), then its ``/weights_checker`` hashes against the sent tensors: the only check SGLang offers;
+    * ``unchecked``: any other engine's ``update_weights``.
+
+    ``check_weights`` (--check-weights): every row of every bucket is checked; otherwise every
+    ``SAMPLED_ROW_STRIDE``-th row (and each bucket's last). A mismatch raises ``ChecksumMismatch`` (SGLang:
+    ``WeightsMismatch``) naming the buckets (parameters). ``timings`` holds the last release's and push's
+    phases in seconds under their ``perf/*`` names (``TRANSITION_METRICS``).
     """
 
-    def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, verify: bool = False):
+    def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
+                 check_weights: bool = False, flat_buckets=None):
         self.model, self.engine, self.offload = model, engine, offload
+        self.device = torch.device(device)
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
         self.released = False
-        # ``verify`` (--check-sglang-weights): SGLang offers no per-bucket checksum on its receive path, so a push
-        # is checked afterwards against the hashes of what the servers hold (``SGLangEngine.verify_weights``)
-        self.verify = engine.verify_weights if verify else None
+        self.row_stride = 1 if check_weights else SAMPLED_ROW_STRIDE
+        self.timings: dict[str, float] = {}
+        self.sender = self.local = self.flat = None
+        if hasattr(engine, "weight_sender"):
+            self.sender = engine.weight_sender(self.plan, self.device, checksum_row_stride=self.row_stride)
+            self.flat = flat_buckets(self.plan) if flat_buckets is not None else None
+            self.mode = "zero-copy" if self.flat is not None else "pipelined"
+        elif hasattr(engine, "loading_weights"):
+            from redline.rollout.embedded.colocated import EngineTargets
+            from redline.sync.local import LocalSender
+
+            self.mode = in_process_mode()
+            self.local = LocalSender(self.plan, EngineTargets(engine), self.device,
+                                     checksum_row_stride=self.row_stride)
+        else:
+            self.mode = "sglang" if hasattr(engine, "verify_weights") else "unchecked"
 
     async def release(self) -> None:
-        """After a rollout: with ``--offload-rollout``, free the engine's weights and KV cache for training."""
+        """After a rollout: with ``--offload-rollout``, free the engine's weights and KV cache for training
+        (``perf/release_time``)."""
+        self.timings = {}
         if self.offload and not self.released:
-            await self.engine.release_memory({"weights", "kv_cache"})
+            await self._timed("perf/release_time", self.engine.release_memory({"weights", "kv_cache"}))
             self.released = True
 
     async def push(self, version: str) -> None:
-        """Send the model's current weights to the engine as ``version``, taking back released memory around
-        the update (weights first, KV cache after)."""
+        """Send the model's current weights to the engine as ``version`` and check them, taking back released
+        memory around the update (weights first, KV cache after)."""
         if self.released:
-            if torch.cuda.is_available():
+            if self.device.type == "cuda":
                 # blocks the trainer's caching allocator holds but does not use would starve the engine
                 torch.cuda.empty_cache()
-            await self.engine.resume_memory({"weights"})
-        await self.engine.update_weights(named_buckets(self.plan, self.model.export_hf()), version=version)
-        if self.verify is not None:
-            await self.verify(self.model.export_hf())
+            await self._timed("perf/resume_weights_time", self.engine.resume_memory({"weights"}))
+        await self._timed("perf/sync_time", self._sync(version))
+        if self.mode == "sglang":
+            await self._timed("perf/check_weights_time", self.engine.verify_weights(self.model.export_hf()))
         if self.released:
-            await self.engine.resume_memory({"kv_cache"})
+            await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
 
+    async def _sync(self, version: str) -> None:
+        if self.sender is not None:  # the engine's own process; blocks this thread, nothing else runs meanwhile
+            with device_scope(self.device):
+                if self.flat is not None:
+                    self.sender.sync_flat(self.flat)
+                else:
+                    self.sender.sync(self.model.export_hf())
+            await self.engine.set_weight_version(version)
+        elif self.mode == "staged":
+            with device_scope(self.device):
+                self.local.sync(self.model.export_hf())
+            await self.engine.update_weights([], version)  # no buckets: publishes the version
+        else:
+            await self.engine.update_weights(named_buckets(self.plan, self.model.export_hf()), version=version)
+            if self.mode == "direct":
+                with device_scope(self.device):
+                    self.local.check_copies(self.model.export_hf())
+
+    async def _timed(self, metric: str, work) -> None:
+        start = _clock(self.device)
+        await work
+        self.timings[metric] = _clock(self.device) - start
+
+    async def close(self) -> None:
+        """Give back the staging memory and the engine process's mappings (the engine's shutdown closes its
+        weight channel)."""
+        if self.sender is not None:
+            self.sender.release()
+            self.sender = None
+        if self.local is not None:
+            self.local.release()
+
     def describe(self) -> str:
-        return f"weight sync: {describe_plan(self.plan)}{' · offload rollout' if self.offload else ''}"
+        rows = "every row" if self.row_stride == 1 else f"every {self.row_stride}th row (--check-weights: all)"
+        check = {"sglang": "SGLang /weights_checker hashes after each push",
+                 "unchecked": "no check (this engine offers none)",
+                 "direct": f"sent vs held bytes, {rows}"}.get(self.mode, f"bucket checksums, {rows}")
+        return (f"weight sync: {self.mode}, {describe_plan(self.plan)}{' · offload rollout' if self.offload else ''}"
+                f" · {check}")
 
 
 class BroadcastWeightSync:
@@ -93,9 +193,10 @@ class BroadcastWeightSync:
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
         # the group's checksum comparison is a collective: it runs only when every receiver takes part
         self.compare_checksums = all(e.joins_checksum_comparison for e in self.engines)
-        self.verifiers = [e.verify_weights for e in self.engines if verify]
+        self.verifiers = [e.verify_weights for e in self.engines if verify and hasattr(e, "verify_weights")]
         self.sender = None
         self.group = None
+        self.timings: dict[str, float] = {}  # the last push's perf/sync_time and perf/check_weights_time
 
     async def connect(self) -> None:
         """Build the weight-update group: this process as rank 0, the engines at the same time as 1..N."""
@@ -117,6 +218,7 @@ class BroadcastWeightSync:
 
     async def release(self) -> None:
         """Nothing to free: the engines have their own devices."""
+        self.timings = {}
 
     async def push(self, version: str) -> None:
         """Broadcast every bucket while the engines receive them; each bucket's layout is announced to the
@@ -137,11 +239,16 @@ class BroadcastWeightSync:
             finally:
                 announce(None)  # the end of the announcements, also when the broadcast failed
 
+        start = _clock(self.device)
         await self._bounded(asyncio.to_thread(send),
                             *(e.receive_weights(version, _announced(q)) for e, q in zip(self.engines, queues)),
                             what=f"the weight broadcast of version {version}")
+        checked = _clock(self.device)
+        self.timings["perf/sync_time"] = checked - start
         for verify in self.verifiers:
             await verify(self.model.export_hf())
+        if self.verifiers:
+            self.timings["perf/check_weights_time"] = _clock(self.device) - checked
 
     async def close(self) -> None:
         """Leave the group on every side (before the engines shut down)."""

@@ -12,6 +12,7 @@ decode step. On CUDA the decode step (forward + LM head) is one captured CUDA gr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -113,10 +114,17 @@ class EmbeddedEngine:
     def load_weights(self, named_tensors, wait: bool = True) -> None:
         """Copy HF-named tensors into the model (fused QKV / gate-up slices included); blocks until copied
         unless ``wait`` is False (``WeightLoader.load``)."""
+        with self.loading_weights() as weights:
+            weights.load(named_tensors, wait)
+
+    @contextlib.contextmanager
+    def loading_weights(self):
+        """The ``WeightLoader``, with no decode step or memory operation running until the block ends (weight
+        receivers write the parameters inside it). EngineMemoryReleased while the weights are released."""
         if "weights" in self._released:
             raise EngineMemoryReleased("resume_memory({'weights'}) before loading weights")
         with self._lock:
-            self.weights.load(named_tensors, wait)
+            yield self.weights
 
     async def release_memory(self, tags) -> None:
         tags = check_tags(tags)

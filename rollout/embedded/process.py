@@ -1,6 +1,12 @@
-"""The embedded engine in its own process (``torch.multiprocessing``, spawn): the form the colocated sync path
-feeds. Tensors sent to ``update_weights`` / ``load_weights`` cross by shared memory (CPU) or CUDA IPC (GPU);
-each call returns only after the engine has copied them, so the sender may then reuse its buffers.
+"""The embedded engine in its own process (``torch.multiprocessing``, spawn).
+
+Weights arrive over two paths. The colocated sync of ``redline train`` uses ``weight_sender``: a
+``redline.sync.protocol.WeightSender`` on a channel of its own, served in the child by
+``redline.rollout.embedded.colocated.serve_weights`` (persistent staging slots mapped once, the trainer packing
+bucket k+1 while the engine loads bucket k, checksums on every bucket; CUDA IPC on a GPU, shared memory on the
+CPU). The ``Engine`` protocol's ``update_weights`` / ``load_weights`` remain for callers without a plan: each
+bucket's tensors are pickled through the request queue (one shared-memory / CUDA-IPC handle per tensor) and each
+call returns only after the engine has copied them, so the sender may then reuse its buffers.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import pickle
 import threading
 from multiprocessing.reduction import ForkingPickler
 
+import torch
 import torch.multiprocessing as mp
 from redline.rollout.engine import WeightBuckets, iterate_buckets
 from redline.rollout.types import GenerateRequest, GenerateResult
@@ -31,11 +38,16 @@ def _reply(replies, call_id, ok, value) -> None:
         replies.put(_encode((call_id, False, RuntimeError(f"{type(exc).__name__}: {exc} (sending {value!r})"))))
 
 
-def _serve(model_path, engine_kwargs, requests, replies) -> None:
+def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
     """Child process: host an EmbeddedEngine and answer ``(call_id, method, args)`` messages in order of arrival
-    (calls run concurrently, so a ``pause`` can reach a running ``generate``)."""
+    (calls run concurrently, so a ``pause`` can reach a running ``generate``); serve the colocated sync's
+    sessions on ``weight_conn`` from a thread of its own."""
     from redline.rollout.embedded import broadcast
+    from redline.rollout.embedded.colocated import serve_weights
     from redline.rollout.embedded.engine import EmbeddedEngine
+    from redline.rollout.embedded.lifeline import die_with_parent
+
+    die_with_parent()  # a SIGKILLed launcher must not leave this process holding the model
 
     async def main():
         try:
@@ -43,6 +55,7 @@ def _serve(model_path, engine_kwargs, requests, replies) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
             _reply(replies, _READY, False, exc)
             return
+        serve_weights(engine, weight_conn)
         _reply(replies, _READY, True, None)
         loop = asyncio.get_running_loop()
         calls = set()
@@ -81,9 +94,12 @@ class EmbeddedEngineProcess:
     def __init__(self, model_path, *, start_timeout: float = 600.0, **engine_kwargs):
         ctx = mp.get_context("spawn")
         self._requests, self._replies = ctx.Queue(), ctx.Queue()
+        self._weight_conn, child_weight_conn = ctx.Pipe()
         self._process = ctx.Process(target=_serve, args=(str(model_path), engine_kwargs, self._requests,
-                                                         self._replies), daemon=True, name="embedded-engine")
+                                                         self._replies, child_weight_conn),
+                                    daemon=True, name="embedded-engine")
         self._process.start()
+        child_weight_conn.close()  # the child's end lives in the child: its exit closes the channel for us
         _, ok, error = pickle.loads(self._replies.get(timeout=start_timeout))
         if not ok:
             self._process.join()
@@ -125,6 +141,26 @@ class EmbeddedEngineProcess:
     async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
         async for bucket in iterate_buckets(buckets):
             await self.load_weights(bucket)
+        await self._call("set_weight_version", str(version))
+
+    def weight_sender(self, plan, device, *, checksum_row_stride: int = 1, num_slots: int = 2,
+                      timeout: float = 300.0):
+        """A ``WeightSender`` of ``plan`` into this process's engine, packing on ``device`` (the trainer's: the
+        engine's GPU, or the CPU over shared memory). One sender per engine: they share the channel, which
+        carries one session at a time. ``checksum_row_stride``: 1 checks every row of every bucket, n every
+        n-th (and the last). After ``sync``, ``set_weight_version`` publishes the version."""
+        from redline.rollout.embedded.colocated import transport_kind
+        from redline.sync.protocol import WeightSender
+        from redline.sync.receiver import make_transport
+
+        if self._closed:
+            raise RuntimeError("the embedded engine process is shut down")
+        device = torch.device(device)
+        return WeightSender(self._weight_conn, make_transport(transport_kind(device), device), plan,
+                            num_slots=num_slots, timeout=timeout, alive=self._process.is_alive,
+                            checksum_row_stride=checksum_row_stride)
+
+    async def set_weight_version(self, version: str) -> None:
         await self._call("set_weight_version", str(version))
 
     async def load_weights(self, named_tensors) -> None:
@@ -177,6 +213,7 @@ class EmbeddedEngineProcess:
             return
         await self._call("shutdown")
         self._closed = True
+        self._weight_conn.close()  # ends the child's weight-receiver thread (it is a daemon either way)
         await asyncio.to_thread(self._process.join)
         self._replies.put(None)  # ends the reader thread
         await asyncio.to_thread(self._reader.join)

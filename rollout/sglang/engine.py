@@ -102,19 +102,41 @@ class SGLangEngine:
 
     async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
         """Send every bucket to every server (opening/closing an update session on >= 0.5.21), then flush
-        caches and publish ``version``. Named-tensor buckets are serialized here (CUDA IPC, same host)."""
+        caches and publish ``version``. Named-tensor buckets are serialized here (CUDA IPC, same host), each
+        while the servers still load the one before: one update request in flight at a time (the servers
+        take buckets in order), bucket k+1 packed meanwhile. Every bucket gets a fresh buffer: a server answers
+        before its copies out of the IPC buffer have finished, so only PyTorch's IPC refcount (the server's
+        stream synchronised before it lets go, then ``ipc_collect``) may decide when that memory is reused."""
         await self._all("begin_weight_update")
-        async for bucket in iterate_buckets(buckets):
-            if not isinstance(bucket, SerializedBucket):
-                bucket = serialize_bucket(list(bucket), self.tp_size)
-            if len(bucket.per_rank) != self.tp_size:
-                raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
-                                 f"tp_size={self.tp_size}")
-            await self._all("update_weights_from_tensor", bucket.per_rank, bucket.load_format, str(version))
+        in_flight = None  # the update request of the previous bucket
+        try:
+            async for bucket in iterate_buckets(buckets):
+                if not isinstance(bucket, SerializedBucket):
+                    bucket = await asyncio.to_thread(self._serialize, list(bucket), torch.cuda.current_device()
+                                                     if torch.cuda.is_available() else None)
+                if len(bucket.per_rank) != self.tp_size:
+                    raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
+                                     f"tp_size={self.tp_size}")
+                if in_flight is not None:
+                    await in_flight
+                in_flight = asyncio.ensure_future(
+                    self._all("update_weights_from_tensor", bucket.per_rank, bucket.load_format, str(version)))
+            if in_flight is not None:
+                await in_flight
+        finally:
+            if in_flight is not None and not in_flight.done():  # a failure while packing: no request left behind
+                in_flight.cancel()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
         await self._all("end_weight_update")
         self.weight_version = str(version)
+
+    def _serialize(self, named_tensors, device) -> SerializedBucket:
+        """``serialize_bucket`` on ``device`` (a worker thread starts on cuda:0 whatever the caller's device)."""
+        if device is None:
+            return serialize_bucket(named_tensors, self.tp_size)
+        with torch.cuda.device(device):
+            return serialize_bucket(named_tensors, self.tp_size)
 
     async def join_weight_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                                 group_name: str, backend: str, plan=None, timeout_s: float | None = None) -> None:

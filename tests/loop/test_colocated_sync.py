@@ -1,0 +1,168 @@
+"""Every colocated push of the loop goes through ``redline.sync`` and is checked: the embedded engine process
+over the pipelined protocol (shared memory on the CPU) or zero-copy, the in-process engine by direct copies or
+staged pack + load; a bucket corrupted on its way fails the push with an error naming it. The transition's
+phases are timed as ``perf/*`` metrics."""
+
+import pytest
+import torch
+from rich.console import Console
+
+from redline.configfile import apply_overrides
+from redline.loop.builtin import materialize
+from redline.loop.step import rl_step
+from redline.loop.train import build, shutdown
+from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE, WeightSync
+from redline.rollout.embedded.weights import WeightLoader
+from redline.sync.bucket_copy import BucketCopier
+from redline.sync.checksum import ROW_BYTES
+from redline.sync.plan import bucketize
+from redline.sync.protocol import ChecksumMismatch
+
+from .test_train import small_config
+
+BUCKET_BYTES = 128 * 1024  # ~16 checksum rows per bucket of the tiny fp32 model
+TRANSITION = ("perf/release_time", "perf/resume_weights_time", "perf/sync_time", "perf/resume_kv_time")
+
+
+def built(tmp_path, **overrides):
+    config = small_config(tmp_path, sft_steps="0", update_weight_buffer_size=str(BUCKET_BYTES), **overrides)
+    config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
+    state, _ = build(config, Console(quiet=True))
+    return state
+
+
+def held_by_engine(state) -> dict[str, torch.Tensor]:
+    engine = state.engine
+    if hasattr(engine, "export_weights"):
+        return dict(state.loop.run_until_complete(engine.export_weights()))
+    return {name: t.detach().cpu() for name, t in engine.model.export_hf()}
+
+
+def assert_engine_holds_the_trainers_weights(state):
+    held = held_by_engine(state)
+    for name, tensor in state.worker.model.export_hf():
+        if name not in state.weight_sync.plan.aliases:
+            assert torch.equal(held[name], tensor.detach().cpu()), name
+
+
+def corrupt_pack(monkeypatch, bucket: int, offset: int):
+    """The sender's copier flips byte ``offset`` of bucket ``bucket`` after packing it (and checksumming what
+    it packed): corruption on the way to the engine."""
+    pack, calls = BucketCopier.pack, []
+
+    def corrupted(self, flat, nbytes, spans, tensors, acc, row_stride=1):
+        pack(self, flat, nbytes, spans, tensors, acc, row_stride)
+        calls.append(nbytes)
+        if len(calls) == bucket + 1:
+            flat[offset] ^= 0xFF
+
+    monkeypatch.setattr(BucketCopier, "pack", corrupted)
+
+
+@pytest.mark.slow  # spawns the engine process (a few seconds)
+def test_engine_process_receives_every_push_over_the_protocol(tmp_path):
+    state = built(tmp_path, embedded_engine_process="true", offload_rollout="true")
+    try:
+        sync = state.weight_sync
+        assert sync.mode == "pipelined" and sync.sender.row_stride == SAMPLED_ROW_STRIDE
+        metrics = [rl_step(state, i) for i in range(2)]
+        assert_engine_holds_the_trainers_weights(state)
+        slots = list(sync.sender._slots)
+        rl_step(state, 2)
+        assert [s.data_ptr() for s in sync.sender._slots] == [s.data_ptr() for s in slots]  # persistent slots
+    finally:
+        shutdown(state)
+    for m in metrics:
+        assert all(m[k] > 0 for k in TRANSITION)
+        parts = m["perf/resume_weights_time"] + m["perf/sync_time"] + m["perf/resume_kv_time"]
+        assert parts <= m["perf/update_weights_time"]
+        assert m["perf/release_time"] <= m["perf/offload_rollout_time"]
+    # the second rollout sampled with the weights the first step trained
+    assert metrics[1]["train/rollout_logprob_abs_diff"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check_weights,offset", [("false", 0), ("true", ROW_BYTES + 3)])
+def test_a_corrupted_bucket_fails_the_push_naming_it(tmp_path, monkeypatch, check_weights, offset):
+    """Row 0 is in every sample; row 1 only when --check-weights checks every row."""
+    state = built(tmp_path, embedded_engine_process="true", check_weights=check_weights)
+    try:
+        assert state.weight_sync.sender.row_stride == (1 if check_weights == "true" else SAMPLED_ROW_STRIDE)
+        assert state.weight_sync.plan.buckets[2].nbytes > 2 * ROW_BYTES
+        corrupt_pack(monkeypatch, bucket=2, offset=offset)
+        with pytest.raises(ChecksumMismatch, match=r"buckets \[2\]"):
+            rl_step(state, 0)
+    finally:
+        shutdown(state)
+
+
+@pytest.mark.slow
+def test_zero_copy_out_of_flat_trainer_storage(tmp_path):
+    state = built(tmp_path, embedded_engine_process="true")
+    model = state.worker.model
+
+    def flat_buckets(plan):  # the export's bytes in the plan's layout, as flat trainer storage would hold them
+        flats = []
+        for layout, tensors in bucketize(plan, model.export_hf()):
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+            for (name, view), tensor in zip(layout.views(flat), tensors):
+                view.copy_(tensor)
+            flats.append(flat)
+        return flats
+
+    try:
+        state.loop.run_until_complete(state.weight_sync.close())  # one sender per engine at a time
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)  # the engine must end up with these values, not the checkpoint's
+        sync = WeightSync(model, state.engine, bucket_bytes=BUCKET_BYTES, offload=False, flat_buckets=flat_buckets)
+        state.weight_sync = sync
+        assert sync.mode == "zero-copy"
+        state.loop.run_until_complete(sync.push("7"))
+        assert_engine_holds_the_trainers_weights(state)
+        assert sync.timings["perf/sync_time"] > 0
+    finally:
+        shutdown(state)
+
+
+def test_in_process_staged_push_is_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv(IN_PROCESS_ENV, "staged")
+    state = built(tmp_path, offload_rollout="true")
+    try:
+        assert state.weight_sync.mode == "staged"
+        metrics = rl_step(state, 0)
+        assert_engine_holds_the_trainers_weights(state)
+        assert all(metrics[k] > 0 for k in TRANSITION)
+        corrupt_pack(monkeypatch, bucket=1, offset=5)
+        with pytest.raises(ChecksumMismatch, match=r"bucket\(s\) \[1\]"):
+            rl_step(state, 1)
+    finally:
+        shutdown(state)
+
+
+def test_in_process_direct_copies_are_compared(tmp_path, monkeypatch):
+    state = built(tmp_path)
+    try:
+        assert state.weight_sync.mode == "direct"
+        rl_step(state, 0)
+        assert_engine_holds_the_trainers_weights(state)
+        victim = state.weight_sync.plan.buckets[3].names[0]
+        load = WeightLoader.load
+
+        def corrupted(self, named_tensors, wait=True):
+            load(self, named_tensors, wait)
+            tensor, offset, size = self.slices[victim]
+            with torch.no_grad():
+                tensor.narrow(0, offset, size).view(-1)[0] += 1.0  # row 0: in every sample
+
+        monkeypatch.setattr(WeightLoader, "load", corrupted)
+        with pytest.raises(ChecksumMismatch, match=r"bucket\(s\) \[3\]"):
+            rl_step(state, 1)
+    finally:
+        shutdown(state)
+
+
+def test_an_unknown_in_process_mode_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(IN_PROCESS_ENV, "fast")
+    with pytest.raises(ValueError, match=IN_PROCESS_ENV):
+        built(tmp_path)
