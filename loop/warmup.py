@@ -27,7 +27,6 @@ from redline.loop.batching import MicroBatch
 
 WARMUP_ENV = "REDLINE_KERNEL_WARMUP"  # "0": skip the warm-up (first calls then tune and compile inside steps)
 SEQUENCE = 256  # tokens per synthetic sequence (the last one of a micro-batch shorter)
-PROMPT_IDS = 100  # token ids drawn from [0, PROMPT_IDS): valid in any vocabulary and vocab shard
 
 
 def warmup_enabled() -> bool:
@@ -67,14 +66,15 @@ class CompileClock:
         return paid
 
 
-def synthetic_batch(n_tokens: int, generator: torch.Generator, with_ref: bool) -> MicroBatch:
-    """A packed micro-batch of ``n_tokens`` tokens in ``SEQUENCE``-token sequences, every position but each
-    sequence's first in the loss, with the per-token values a policy loss reads."""
+def synthetic_batch(n_tokens: int, vocab: int, generator: torch.Generator, with_ref: bool) -> MicroBatch:
+    """A packed micro-batch of ``n_tokens`` token ids below ``vocab`` (this rank's vocab shard: valid ids of the
+    whole vocabulary too) in ``SEQUENCE``-token sequences, every position but each sequence's first in the loss,
+    with the per-token values a policy loss reads."""
     lengths = [min(SEQUENCE, n_tokens - s) for s in range(0, n_tokens, SEQUENCE)]
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     mask = torch.ones(n_tokens, dtype=torch.bool)
     mask[cu[:-1].long()] = n_tokens == 1  # a lone token is still trained on: the kernels see one row
-    ids = torch.randint(0, PROMPT_IDS, (n_tokens,), generator=generator)
+    ids = torch.randint(0, vocab, (n_tokens,), generator=generator)
     values = {"advantages": torch.randn(n_tokens, generator=generator),
               "old_logp": -torch.rand(n_tokens, generator=generator), "rollout_logp": -torch.rand(n_tokens, generator=generator)}
     if with_ref:
@@ -130,16 +130,18 @@ def compile_step_kernels(state, console) -> int:
     reuse_old = cfg.train.num_steps_per_rollout == 1 and kl_coef == 0
     counts = warmup_row_counts(max_micro_batch_tokens(cfg))
     generator = torch.Generator().manual_seed(0)  # the run's own random streams stay untouched
+    vocab = worker.model.lm_head_weight().shape[0]
     with console.status("") as status:
         for i, n in enumerate(counts):
             status.update(f"compiling the step's kernels: micro-batch {i + 1}/{len(counts)} ({n} tokens)")
-            batch = synthetic_batch(n, generator, with_ref=loss_cfg.kl_coef > 0)
+            batch = synthetic_batch(n, vocab, generator, with_ref=loss_cfg.kl_coef > 0)
             worker.logprobs(batch)
             worker.model.train()
             loss, _ = worker.policy_loss(batch.to(worker.device), loss_cfg, reuse_old_logp=reuse_old)
             (loss * 0.5).backward()  # an upstream gradient other than 1, as a weighted micro-batch has
             worker.optimizer.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(worker.device)
+    if worker.device.type == "cuda":
+        torch.cuda.synchronize(worker.device)
     return len(counts)
 
 

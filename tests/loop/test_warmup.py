@@ -1,0 +1,104 @@
+"""The start-up kernel warm-up's CPU-checkable parts (``redline.loop.warmup``): its synthetic micro-batches, the
+largest micro-batch, the switch, and the compilation clock."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from redline.loop import warmup
+
+
+def test_synthetic_batch_is_a_packed_micro_batch_of_the_asked_size():
+    batch = warmup.synthetic_batch(600, 50, torch.Generator().manual_seed(0), with_ref=True)
+    assert batch.input_ids.shape == batch.targets.shape == batch.loss_mask.shape == (600,)
+    assert batch.cu_seqlens.tolist() == [0, 256, 512, 600] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.sample_ids == [0, 1, 2]
+    assert not batch.loss_mask[[0, 256, 512]].any() and int(batch.loss_mask.sum()) == 597
+    assert set(batch.token_values) == {"advantages", "old_logp", "rollout_logp", "ref_logp"}
+    for values in batch.token_values.values():
+        assert values.shape == (600,) and not values[~batch.loss_mask].any()
+    assert int(batch.input_ids.max()) < 50
+
+
+def test_synthetic_batch_of_one_token_still_trains_a_row():
+    batch = warmup.synthetic_batch(1, 50, torch.Generator().manual_seed(0), with_ref=False)
+    assert batch.loss_mask.tolist() == [True] and "ref_logp" not in batch.token_values
+
+
+def test_synthetic_batches_leave_the_global_random_stream_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    warmup.synthetic_batch(300, 50, torch.Generator().manual_seed(0), with_ref=True)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_the_largest_micro_batch_is_the_budget_or_one_longer_sample():
+    def config(budget, prompt, response):
+        return SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=budget),
+                               data=SimpleNamespace(rollout_max_prompt_len=prompt),
+                               rollout=SimpleNamespace(rollout_max_response_len=response))
+
+    assert warmup.max_micro_batch_tokens(config(8192, 16, 128)) == 8192
+    assert warmup.max_micro_batch_tokens(config(4096, 1024, 8192)) == 9216
+    assert warmup.max_micro_batch_tokens(config(4096, None, 8192)) == 8192
+
+
+def test_warmup_switch(monkeypatch):
+    monkeypatch.delenv(warmup.WARMUP_ENV, raising=False)
+    assert warmup.warmup_enabled()
+    monkeypatch.setenv(warmup.WARMUP_ENV, "0")
+    assert not warmup.warmup_enabled()
+    monkeypatch.setenv(warmup.WARMUP_ENV, "no")
+    with pytest.raises(ValueError, match=warmup.WARMUP_ENV):
+        warmup.warmup_enabled()
+
+
+def test_compile_clock_sums_tritons_compile_times_and_counts_fresh_compilations(monkeypatch):
+    import triton
+
+    heard = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
+    clock = warmup.CompileClock().install()
+    times = SimpleNamespace(ir_initialization=200_000, lowering_stages=[("ttir", 300_000), ("ptx", 400_000)],
+                            store_results=100_000)  # µs, as Triton reports them: 1 s in all
+    listener = triton.knobs.compilation.listener
+    listener(src=None, metadata={}, metadata_group={}, times=times, cache_hit=False)
+    listener(src=None, metadata={}, metadata_group={}, times=times, cache_hit=True)
+    assert clock.take() == {"perf/compile_time": pytest.approx(2.0), "perf/compile_count": 1.0}
+    assert clock.take() == {"perf/compile_time": 0.0, "perf/compile_count": 0.0}
+    assert heard == [False, True]  # a listener already installed still hears every compilation
+
+
+@pytest.mark.parametrize("steps_per_rollout", [1, 2])  # the reused-old-logp loss and the fused policy loss
+def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_was(tmp_path, steps_per_rollout):
+    """The warm-up's own path on the CPU (PyTorch kernels): every size runs the log-prob pass and a train
+    forward + backward, and afterwards the weights, gradients and optimizer state are those of a fresh trainer."""
+    from rich.console import Console
+
+    from redline.config import TrainConfig
+    from redline.kernels import LossConfig
+    from redline.loop.builtin import tiny_model
+    from redline.loop.worker import TrainerWorker
+    from redline.trainer.models import from_pretrained
+
+    model = from_pretrained(tiny_model(tmp_path / "m"), backend="bf16", dtype=torch.float32)
+    worker = TrainerWorker(model, TrainConfig(), total_steps=1, temperature=1.0, keep_reference=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    logprobs, policy_loss = worker.logprobs, worker.policy_loss
+    worker.logprobs = lambda batch, **kw: calls.append(("logprobs", batch.num_tokens)) or logprobs(batch, **kw)
+    worker.policy_loss = lambda batch, *a, **kw: calls.append(("loss", batch.num_tokens)) or policy_loss(batch, *a,
+                                                                                                          **kw)
+    config = SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=40, num_steps_per_rollout=steps_per_rollout),
+                             data=SimpleNamespace(rollout_max_prompt_len=4),
+                             rollout=SimpleNamespace(rollout_max_response_len=8), algo=SimpleNamespace(kl_coef=0.0))
+    state = SimpleNamespace(worker=worker, loss_cfg=LossConfig(), config=config, kl_controller=None)
+    assert warmup.compile_step_kernels(state, Console(quiet=True)) == len(warmup.warmup_row_counts(40))
+    sizes = warmup.warmup_row_counts(40)
+    assert calls == [(kind, n) for n in sizes for kind in ("logprobs", "loss")]
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert not worker.optimizer.state
