@@ -96,8 +96,8 @@ class RolloutManager:
                 for group in self.data_source.get_groups(self.over_sampling_batch_size, self.n_samples_per_prompt):
                     in_flight.add(asyncio.create_task(self._run_group(group, limit)))
             done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            in_flight -= done
             for task in done:
+                in_flight.discard(task)  # one at a time: on a failure the rest stay for the caller to collect
                 group = task.result()
                 if _unfinished(group):  # aborted by someone else's pause; never trained on half a group
                     leftover_early.append(group)

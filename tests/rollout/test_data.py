@@ -146,3 +146,46 @@ def test_returned_groups_are_served_first(dataset):
     first = source.get_groups(2, 1)
     source.add_groups(first[1:])
     assert labels(source.get_groups(2, 1)) == ["1", "2"]
+
+
+# issue 22, item 9: bad data is named by file and line when it is read
+
+
+def test_a_non_utf8_byte_names_file_and_line(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(records(1)[0].encode() + b"\n" + '{"prompt": "caf\xe9", "label": "x"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        PromptDataset(path, tokenizer)
+    assert len(PromptDataset(path, tokenizer, skip_bad_records=True)) == 1
+
+
+def test_a_prompt_longer_than_the_engine_takes_is_found_at_load(tmp_path, tokenizer):
+    long = json.dumps({"prompt": "word " * 50, "label": "1"})
+    path = write_jsonl(tmp_path / "p.jsonl", records(2) + [long])
+    with pytest.raises(DataError, match=r"p\.jsonl:3: the prompt is \d+ tokens, longer than the engine's context "
+                                        r"takes \(20 tokens.*--rollout-max-prompt-len 20"):
+        PromptDataset(path, tokenizer, context=20)
+    kept = PromptDataset(path, tokenizer, context=20, max_prompt_len=20)  # the hint's flag drops and counts it
+    assert len(kept) == 2 and kept.stats.filtered_too_long == 1
+
+
+def test_a_missing_label_is_an_error_where_a_label_is_needed(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", records(1) + [json.dumps({"prompt": "no label"})])
+    assert len(PromptDataset(path, tokenizer)) == 2  # a custom reward may not need one
+    with pytest.raises(DataError, match=r"p\.jsonl:2: no label under 'label' \(--label-key\)"):
+        PromptDataset(path, tokenizer, require_label=True)
+    skipped = PromptDataset(path, tokenizer, require_label=True, skip_bad_records=True)
+    assert len(skipped) == 1 and skipped.stats.skipped_bad == 1
+
+
+def test_the_parquet_hint_names_the_package_to_install(tmp_path, tokenizer, monkeypatch):
+    import sys
+
+    from redline.extras import MissingExtraError
+
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(MissingExtraError, match=r"needs the package 'pyarrow', which is not installed: "
+                                                r"pip install 'redline\[data\]'"):
+        PromptDataset(tmp_path / "p.parquet", tokenizer)
