@@ -165,6 +165,8 @@ class CheckpointConfig:
     run_name: str = option("run", "name of the run")
     save_interval: int | None = option(None, "save every N rollouts")
     load: str | None = option(None, "resume from this checkpoint folder")
+    overwrite: bool = option(False, "replace the previous run in --output-dir (its folder is emptied first); "
+                             "without it a used folder is refused unless --load resumes from it")
     save_hf: str | None = option(None, "export an HF directory here at the end")
     eval_interval: int | None = option(None, "evaluate every N rollouts")
     use_wandb: bool = option(False, "also log to Weights & Biases")

@@ -6,6 +6,7 @@ One record per rollout step, keyed with slime-style names (``rollout/reward_mean
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 PHASES = ("perf/rollout_time", "perf/offload_rollout_time", "perf/logprob_time", "perf/train_time",
@@ -49,17 +50,39 @@ def phase_segments(record: dict) -> list[tuple[str, float]]:
     return segments
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``. An incomplete last line (a process killed mid-append) is dropped with
+    a warning; a bad line elsewhere raises ValueError naming the file and line."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON record ({exc})") from None
+            warnings.warn(f"{path}:{number}: dropped an incomplete last record (the run writing it was killed "
+                          f"mid-write)", stacklevel=2)
+    return records
+
+
 class MetricsLog:
     """Appends step records to ``metrics.jsonl`` and TensorBoard; draws plots and the report on ``close``."""
 
-    def __init__(self, output_dir: Path, use_wandb: bool = False, run_name: str = "run", config: dict | None = None):
+    def __init__(self, output_dir: Path, use_wandb: bool = False, run_name: str = "run", config: dict | None = None,
+                 resume_step: int | None = None):
+        """``resume_step``: the step of the checkpoint a resumed run continues from; the records up to it are kept,
+        later ones (written after the checkpoint by the run that stopped) dropped, in ``metrics.jsonl`` and in
+        TensorBoard (a purge of the later steps). None: a fresh record."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        self.tensorboard = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
-        self.records = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        purge = None if resume_step is None else resume_step + 1
+        self.tensorboard = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=purge)
+        self.records = read_records(self.path) if self.path.exists() else []
+        self.truncate_after(-1 if resume_step is None else resume_step)
         self.wandb = None
         if use_wandb:
             from redline.extras import require

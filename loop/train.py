@@ -10,7 +10,7 @@ from rich.console import Console
 
 from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.gpu_telemetry import open_gpu_telemetry
-from redline.loop import checkpoint
+from redline.loop import checkpoint, interrupt, run_folder
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
 from redline.loop.critic import CriticWorker
@@ -165,33 +165,48 @@ def run(config, config_path=None) -> int:
 
 
 def _run(config, config_path, dp: DataParallel, console: Console) -> int:
+    out, before = None, None
     try:
         out = Path(dp.from_main(lambda: str(output_dir_for(config))))
+        before = dp.from_main(lambda: run_folder.contents(out))
+        replaced = dp.from_main(lambda: run_folder.previous_run(out, config.checkpoint.load,
+                                                                config.checkpoint.overwrite))
         config = apply_overrides(config, dp.from_main(lambda: _materialize(config, out)), source="built-in")
         validate(config, world_size=dp.world)
     except (ConfigError, ValueError) as exc:
+        if out is not None and dp.is_main:
+            run_folder.undo_start(out, before)  # a failed start leaves no run folder behind
         console.print(f"[red]configuration error:[/red] {exc}")
         return 2
     torch.manual_seed(config.train.seed)
     metrics = None
     if dp.is_main:
+        run_folder.discard(out, replaced)
         _write_config(config, out)
         from redline.loop.metrics import MetricsLog
 
+        resume_step = (checkpoint.saved_rollout(checkpoint.resolve(config.checkpoint.load)) + 1
+                       if config.checkpoint.load else None)
         metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
-                             config=to_mapping(config))
+                             config=to_mapping(config), resume_step=resume_step)
     log_dir = out / "logs" / (f"rank{dp.rank}" if dp.world > 1 else "")
     state, tokenizer = build(config, console, log_dir=log_dir, dp=dp)
+    stop = interrupt.GracefulStop(lambda line: console.print(line, markup=False))
     try:
         state.telemetry = open_gpu_telemetry(_run_devices(state), lambda line: console.print(line, markup=False))
         state.telemetry.start()
-        report = _train(state, tokenizer, metrics, out, console, config_path)
+        with stop:
+            report = _train(state, tokenizer, metrics, out, console, config_path, stop)
     finally:
         state.telemetry.stop()
         if metrics:
             metrics.close()
         shutdown(state)
     console.print(f"report: {report}")
+    if stop.stopped_at is not None:
+        console.print(f"stopped by Ctrl-C after step {stop.stopped_at}; resume with:\n"
+                      f"  {run_folder.resume_command(out, dp.world)}", markup=False, soft_wrap=True)
+        return interrupt.EXIT_CODE
     return 0
 
 
@@ -208,21 +223,19 @@ def _materialize(config, out: Path) -> dict[str, str]:
     return materialize(config, out / "builtin")
 
 
-def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, config_path) -> Path | None:
+def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, config_path,
+           stop: interrupt.GracefulStop) -> Path | None:
     """Warm-up or resume, the rollout loop, eval, checkpoints; returns the report's path (None off rank 0, which
-    gets no ``metrics``: it alone writes files)."""
+    gets no ``metrics``: it alone writes files). A Ctrl-C (``stop``) ends the loop after the step in flight, with
+    a checkpoint of it, and skips the ``--save-hf`` export."""
     config, dp = state.config, state.dp
     log = metrics.log if metrics else lambda step, values: None
     start = 0
     if config.checkpoint.load:
         folder = checkpoint.resolve(config.checkpoint.load)
         start = restore(state, folder)
-        if metrics:
-            metrics.truncate_after(start - 1)
         console.print(f"resumed from {folder} at rollout {start}")
     else:
-        if metrics:
-            metrics.truncate_after(-1)  # a fresh run into a used folder starts a fresh record
         if config.train.sft_steps:
             warm = sft_warmup(state, tokenizer)
             log(0, warm)
@@ -244,18 +257,25 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
             step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
         log(step, step_metrics)
         console.print(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
-        if config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0:
+        stopping = dp.sum(float(stop.requested)) > 0  # every rank stops after the same step
+        if stopping or (config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0):
             checkpoint.save(out / "checkpoints", rollout_id, state.worker.model, Path(config.model.hf_checkpoint),
                             *trainer_state(state), dp=dp)
-    if config.checkpoint.save_hf and dp.is_main:
+        if stopping:
+            stop.stopped_at = step
+            break
+    if config.checkpoint.save_hf and dp.is_main and stop.stopped_at is None:
         state.worker.model.save_pretrained(config.checkpoint.save_hf)
         checkpoint.copy_tokenizer(Path(config.model.hf_checkpoint), Path(config.checkpoint.save_hf))
     dp.barrier()
     if not metrics:
         return None
+    last = stop.stopped_at or config.rollout.num_rollout
+    stopped = [f"stopped by Ctrl-C after step {last}"] if stop.stopped_at else []
     return metrics.report(f"redline run {config.checkpoint.run_name}", [
-        f"config: {config_path}", f"output: {out}", f"RL steps: {config.rollout.num_rollout - start} in "
-        f"{time.perf_counter() - began:.1f} s" + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else "")])
+        f"config: {config_path}", f"output: {out}", f"RL steps: {last - start} in "
+        f"{time.perf_counter() - began:.1f} s" + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else ""),
+        *stopped])
 
 
 def _progress_line(step: int, total: int, m: dict, sft_only: bool) -> str:
