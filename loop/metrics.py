@@ -30,6 +30,16 @@ PLOTS = {
     "gpu_power.png": ("perf/gpu_power_w",),
     "gpu_sm_clock.png": ("perf/gpu_sm_clock_mhz",),
 }
+# title and y-axis label (with its unit) of each plot; the x axis is always the rollout step
+PLOT_AXES = {
+    "reward.png": ("Mean reward per sample: rollouts and evaluation", "reward"),
+    "kl.png": ("KL divergence to the reference (kl) and to the rollout policy (approx_kl)", "nats per token"),
+    "entropy.png": ("Policy entropy over response tokens", "nats per token"),
+    "gpu_util.png": ("GPU utilisation", "% of time busy"),
+    "gpu_memory.png": ("GPU memory used", "GB"),
+    "gpu_power.png": ("GPU power draw", "W"),
+    "gpu_sm_clock.png": ("GPU SM clock", "MHz"),
+}
 
 
 def short(key: str) -> str:
@@ -123,12 +133,15 @@ class MetricsLog:
             drawn = False
             for key in keys:
                 steps, values = self.series(key)
-                if steps:
+                if any(v != 0 for v in values):  # a metric that is identically zero says nothing drawn
                     ax.plot(steps, values, marker="o", markersize=3, label=key)
                     drawn = True
             if not drawn:
                 plt.close(fig)
                 continue
+            title, unit = PLOT_AXES.get(name, (name.removesuffix(".png"), ""))
+            ax.set_title(title, fontsize=10)
+            ax.set_ylabel(unit)
             ax.set_xlabel("rollout step")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

@@ -6,6 +6,7 @@ Everything the step needs lives in a ``RunState`` built once by ``redline.loop.t
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ class RunState:
     loop: asyncio.AbstractEventLoop
     critic: object | None = None  # CriticWorker, for advantage_estimator "ppo"
     dp: DataParallel = SINGLE_PROCESS  # the data-parallel ranks (each one runs this same step on its shard)
+    on_phase: Callable[[str], None] = lambda name: None  # told each phase as it starts (the progress display)
     telemetry: GpuTelemetry = field(default_factory=lambda: GpuTelemetry(None))  # perf/gpu_* per step; off: none
 
 
@@ -79,6 +81,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     state.telemetry.begin()
 
     # 1. rollout: generate n samples per prompt, score them, filter groups
+    state.on_phase("rollout")
     samples, metrics = state.loop.run_until_complete(state.rollout.generate(rollout_id))
     t0 = clock()
     rollout_time = t0 - step_start
@@ -89,6 +92,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     loss_masks = torch.cat([torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples])
 
     # 2. old / reference log-probs (old ones are reused when the weights cannot move before the loss sees them)
+    state.on_phase("log-probs")
     t0 = clock()
     kl_coef = state.kl_controller.coef if state.kl_controller else algo.kl_coef
     reuse_old = cfg.train.num_steps_per_rollout == 1 and kl_coef == 0
@@ -115,6 +119,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         per_token["ref_logp"] = ref_logp
 
     # 4. optimizer steps over global batches of packed micro-batches, dealt out across the data-parallel ranks
+    state.on_phase("train")
     t0 = clock()
     train_metrics: list[dict[str, float]] = []
     lengths = dp.all_lengths([len(s.tokens) for s in samples])
@@ -139,6 +144,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     train_time = clock() - t0
 
     # 5. weight sync: planned buckets into the engine (resuming its memory around them when offloaded)
+    state.on_phase("weight sync")
     t0 = clock()
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
     sync_time = clock() - t0

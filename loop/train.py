@@ -16,6 +16,8 @@ from redline.loop.builtin import materialize
 from redline.loop.critic import CriticWorker
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel, init_data_parallel
 from redline.loop.sft import sft_rollout, sft_warmup
+from redline.loop.health import RunHealth
+from redline.loop.progress import RunProgress, summary
 from redline.loop.step import RunState, rl_step
 from redline.loop.validate import check_distributed_timeout, loss_config, validate
 from redline.loop.warmup import CompileClock, warm_up, warmup_enabled
@@ -70,7 +72,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     loss_cfg = loss_config(config)
     total_steps = config.rollout.num_rollout * config.train.num_steps_per_rollout
     worker = TrainerWorker(model, config.train, total_steps=total_steps,
-                           temperature=config.rollout.rollout_temperature,
+                           # greedy rollouts (temperature 0): log-probs at temperature 1, as the engine takes them
+                           temperature=config.rollout.rollout_temperature or 1.0,
                            keep_reference=loss_cfg.kl_coef > 0 or config.algo.kl_coef > 0, dp=dp)
     kl_controller = (AdaptiveKLController(config.algo.kl_coef, config.algo.kl_target, config.algo.kl_horizon)
                      if config.algo.kl_target is not None else None)
@@ -93,6 +96,9 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         engine_name += f" (one per data-parallel rank, {dp.world} ranks)"
     console.print(f"rollout engine: {engine_name}")
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
+    if rollout.skipped_records:
+        console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
+                      f"(data/skipped_records)", markup=False, soft_wrap=True)
     if config.parallel.colocate:
         # zero-copy where the worker keeps its compute weights in flat storages laid out as the plan
         weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
@@ -117,13 +123,28 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
 
 
 def shutdown(state: RunState) -> None:
-    """Leave the weight-update group (``--no-colocate``), then stop the engine."""
+    """Leave the weight-update group (``--no-colocate``), stop the engine, release the reward's process or HTTP
+    session, then cancel whatever a failure left running on the loop and close it (no "Task was destroyed" or
+    "Unclosed client session" at exit)."""
     try:
         close = getattr(state.weight_sync, "close", None)
         if close is not None:
             state.loop.run_until_complete(close())
     finally:
-        state.loop.run_until_complete(state.engine.shutdown())
+        try:
+            state.loop.run_until_complete(state.engine.shutdown())
+        finally:
+            state.loop.run_until_complete(state.rollout.close())
+            state.loop.run_until_complete(_cancel_others())
+            state.loop.close()
+
+
+async def _cancel_others() -> None:
+    """Cancel every other task of the running loop and wait for them to finish."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 def trainer_state(state: RunState) -> tuple[dict, dict]:
@@ -176,7 +197,7 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
     except (ConfigError, ValueError) as exc:
         if out is not None and dp.is_main:
             run_folder.undo_start(out, before)  # a failed start leaves no run folder behind
-        console.print(f"[red]configuration error:[/red] {exc}")
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
         return 2
     torch.manual_seed(config.train.seed)
     metrics = None
@@ -195,8 +216,8 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
     try:
         state.telemetry = open_gpu_telemetry(_run_devices(state), lambda line: console.print(line, markup=False))
         state.telemetry.start()
-        with stop:
-            report = _train(state, tokenizer, metrics, out, console, config_path, stop)
+        with stop, RunProgress(console, config.rollout.num_rollout) as progress:
+            report = _train(state, tokenizer, metrics, out, console, config_path, stop, progress)
     finally:
         state.telemetry.stop()
         if metrics:
@@ -224,12 +245,14 @@ def _materialize(config, out: Path) -> dict[str, str]:
 
 
 def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, config_path,
-           stop: interrupt.GracefulStop) -> Path | None:
+           stop: interrupt.GracefulStop, progress: RunProgress) -> Path | None:
     """Warm-up or resume, the rollout loop, eval, checkpoints; returns the report's path (None off rank 0, which
     gets no ``metrics``: it alone writes files). A Ctrl-C (``stop``) ends the loop after the step in flight, with
     a checkpoint of it, and skips the ``--save-hf`` export."""
     config, dp = state.config, state.dp
     log = metrics.log if metrics else lambda step, values: None
+    state.on_phase = progress.phase
+    health = RunHealth(state.worker.model.hf_config.vocab_size)
     start = 0
     if config.checkpoint.load:
         folder = checkpoint.resolve(config.checkpoint.load)
@@ -237,10 +260,12 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         console.print(f"resumed from {folder} at rollout {start}")
     else:
         if config.train.sft_steps:
+            progress.phase("SFT warm-up")
             warm = sft_warmup(state, tokenizer)
             log(0, warm)
             console.print(f"SFT warm-up: {config.train.sft_steps} steps, loss {warm['sft/loss']:.3f}, "
                           f"eval reward {warm.get('eval/reward_mean', float('nan')):.3f}")
+    progress.begin(start)
     began = time.perf_counter()
     sft_only = config.algo.loss_type == "sft"
     compile_clock, startup = None, {}
@@ -254,9 +279,13 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
             step_metrics.update(compile_clock.take(), **startup)
             startup = {}
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
+            progress.phase("eval")
             step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
+            progress.evaluation(step, step_metrics)
         log(step, step_metrics)
-        console.print(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
+        progress.step(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
+        for warning in health.observe(step, step_metrics):
+            progress.warn(warning)
         stopping = dp.sum(float(stop.requested)) > 0  # every rank stops after the same step
         if stopping or (config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0):
             checkpoint.save(out / "checkpoints", rollout_id, state.worker.model, Path(config.model.hf_checkpoint),
@@ -272,10 +301,13 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         return None
     last = stop.stopped_at or config.rollout.num_rollout
     stopped = [f"stopped by Ctrl-C after step {last}"] if stop.stopped_at else []
-    return metrics.report(f"redline run {config.checkpoint.run_name}", [
-        f"config: {config_path}", f"output: {out}", f"RL steps: {last - start} in "
-        f"{time.perf_counter() - began:.1f} s" + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else ""),
+    seconds = time.perf_counter() - began
+    report = metrics.report(f"redline run {config.checkpoint.run_name}", [
+        *(f"**WARNING** {w}" for w in health.warnings), f"config: {config_path}", f"output: {out}",
+        f"RL steps: {last - start} in {seconds:.1f} s" + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else ""),
         *stopped])
+    progress.print(summary(metrics.records, last - start, seconds, report), "bold")
+    return report
 
 
 def _progress_line(step: int, total: int, m: dict, sft_only: bool) -> str:
