@@ -151,8 +151,16 @@ def warm_up(state, console, clock: CompileClock) -> dict[str, float]:
     compiled rather than loaded from Triton's cache), ``perf/startup_tuned_keys`` (autotuner keys timed now)."""
     began = time.perf_counter()
     clock.take()
+    # with --offload-rollout a step trains while the engine's memory is released: the warm-up does too, then gives
+    # it back through the step's own push (the same weights as version "0", the engine's initial version), which
+    # also compiles the weight sync's kernels
+    offload = getattr(state.weight_sync, "offload", False)
+    if offload:
+        state.loop.run_until_complete(state.weight_sync.release())
     metrics = tune_lm_head(state, console)
     sizes = compile_step_kernels(state, console)
+    if offload:
+        state.loop.run_until_complete(state.weight_sync.push("0"))
     paid = clock.take()
     metrics.update({"perf/startup_compile_time": time.perf_counter() - began,
                     "perf/startup_compile_count": paid["perf/compile_count"]})
