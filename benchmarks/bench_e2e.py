@@ -38,6 +38,8 @@ from e2e_workload import TINY, Workload, records_from_json, summarize, write_pro
 HERE = Path(__file__).resolve().parent
 TRAINERS = ("redline-embedded", "redline-sglang", "trl")
 BASELINE = "trl"  # ratios in the table are against it
+HEADER = ("| trainer | step s | generated tok/s | trained tok/s | vs TRL | phases (mean s) | peak GPU GB | train MFU "
+          "| GPU idle |")
 
 
 def environment() -> dict:
@@ -178,9 +180,7 @@ def markdown(results: list[dict], env: dict) -> str:
         rows = [r for r in results if r["shape"] == shape]
         workload = Workload(**rows[0]["workload"])
         base = next((r["summary"] for r in rows if r["trainer"] == BASELINE and "summary" in r), None)
-        lines += [f"## {workload.describe()}", "",
-                  "| trainer | step s | generated tok/s | trained tok/s | vs TRL | phases (mean s) | peak GPU GB | "
-                  "train MFU | GPU idle |", "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+        lines += [f"## {workload.describe()}", "", HEADER, "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
         for r in rows:
             s = r.get("summary")
             if s is None:
@@ -189,18 +189,21 @@ def markdown(results: list[dict], env: dict) -> str:
             ratio = f"{s['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}x" if base else "—"
             phases = ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"].items())
             lines.append(f"| {r['trainer']} | {s['step_time_s']:.2f} | {s['generated_tokens_per_s']:,.0f} | "
-                         f"{s['trained_tokens_per_s']:,.0f} | {ratio} | {phases} | {_num(s['peak_gpu_mem_gb'], '.1f')} | "
-                         f"{_num(s['train_mfu'], '.1%')} | {_num(s['gpu_idle_share'], '.1%')} |")
+                         f"{s['trained_tokens_per_s']:,.0f} | {ratio} | {phases} | "
+                         f"{_num(s['peak_gpu_mem_gb'], '.1f')} | {_num(s['train_mfu'], '.1%')} | "
+                         f"{_num(s['gpu_idle_share'], '.1%')} |")
             if r.get("error"):
                 lines.append(f"| ↳ partial: {r['error']} | | | | | | | | |")
         lines.append("")
     software = env.get("software", {})
-    lines += ["Tokens/s are per second of step time (a step: rollout of every response, one optimizer step over them).",
-              "MFU: 6 × parameters × trained tokens / train-phase time over the board's bf16 dense peak. GPU idle:",
-              "1 − NVML utilisation over the step. Peak GPU memory: NVML, every process on the GPU.", "",
-              f"GPU: {gpu_name(env)}; commit {env.get('commit')}; " + ", ".join(
-                  f"{k} {software[k]}" for k in ("torch", "transformers", "SGLang", "trl", "accelerate") if k in software),
-              "", "![tokens/s and step-time phases](e2e.png)", ""]
+    versions = ", ".join(f"{k} {software[k]}" for k in ("redline", "torch", "transformers", "SGLang", "trl",
+                                                          "accelerate", "datasets") if k in software)
+    lines += ["Tokens/s are per second of step time (a step: the rollout of every response, then one optimizer step",
+              "over them). MFU: 6 × parameters × trained tokens / train-phase time over the board's bf16 dense peak.",
+              "GPU idle: 1 − NVML utilisation over the step. Peak GPU memory: NVML, every process on the GPU.",
+              "Every setting (each trainer's config) and version is in e2e.json.", "",
+              f"GPU: {gpu_name(env)}; commit {env.get('commit')}; {versions}", "",
+              "![tokens/s and step-time phases](e2e.png)", ""]
     return "\n".join(lines)
 
 

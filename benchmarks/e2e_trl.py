@@ -62,8 +62,41 @@ def main(spec_path: str) -> None:
             with timed("generate_and_score"):
                 return super()._generate_and_score_completions(*args, **kwargs)
 
-    telemetry = open_gpu_telemetry([torch.device("cuda", torch.cuda.current_device())] if cuda else [], print)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    dataset = load_dataset("json", data_files=spec["prompts"], split="train")
+    micro = spec["per_device_train_batch_size"]
+    if workload.samples_per_step % micro:
+        raise ValueError(f"--trl-micro-batch {micro} does not divide the {workload.samples_per_step} samples of a step")
+    accumulation = workload.samples_per_step // micro
+    settings = dict(
+        output_dir=str(out.parent / "trl-output"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation, num_generations=workload.samples,
+        max_completion_length=workload.response_len, generation_kwargs={"min_new_tokens": workload.response_len},
+        temperature=workload.temperature, learning_rate=workload.lr, lr_scheduler_type="constant",
+        max_steps=workload.warmup + workload.steps, logging_steps=1, save_strategy="no", report_to=[],
+        bf16=cuda and dtype == torch.bfloat16, use_cpu=not cuda, seed=workload.seed, dataloader_num_workers=0)
+    if spec.get("generation_batch_size"):
+        settings["generation_batch_size"] = spec["generation_batch_size"]
+    config = trl.GRPOConfig(**settings)
     records: list[StepRecord] = []
+    about = {
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "settings": {k: (v if isinstance(v, (int, float, str, bool, dict, type(None))) else str(v))
+                     for k, v in settings.items()} | {
+            "steps_per_generation": config.steps_per_generation, "generation_batch_size": config.generation_batch_size,
+            "gradient_checkpointing": config.gradient_checkpointing, "loss_type": config.loss_type,
+            "beta": config.beta, "optim": str(config.optim), "attn_implementation": model.config._attn_implementation},
+        "versions": {name: version(name) for name in ("trl", "transformers", "accelerate", "datasets", "torch")},
+    }
+
+    def save() -> None:
+        """Rewritten after every step: a run stopped by --trainer-timeout keeps the steps it finished."""
+        out.write_text(json.dumps(about | {
+            "records": records_to_json(records),
+            "torch_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}, indent=2))
+
+    telemetry = open_gpu_telemetry([torch.device("cuda", torch.cuda.current_device())] if cuda else [], print)
 
     class StepClock(TrainerCallback):
         """A record per optimizer step: device-synced wall time, TRL's phases inside it, NVML over it."""
@@ -97,40 +130,13 @@ def main(spec_path: str) -> None:
                 records[-1].generated_tokens = round(length * workload.samples_per_step)
                 records[-1].trained_tokens = tokens - self.tokens_before
                 self.tokens_before = tokens
+                save()
 
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    dataset = load_dataset("json", data_files=spec["prompts"], split="train")
-    micro = spec["per_device_train_batch_size"]
-    if workload.samples_per_step % micro:
-        raise ValueError(f"--trl-micro-batch {micro} does not divide the {workload.samples_per_step} samples of a step")
-    accumulation = workload.samples_per_step // micro
-    settings = dict(
-        output_dir=str(out.parent / "trl-output"), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=accumulation, num_generations=workload.samples,
-        max_completion_length=workload.response_len, generation_kwargs={"min_new_tokens": workload.response_len},
-        temperature=workload.temperature, learning_rate=workload.lr, lr_scheduler_type="constant",
-        max_steps=workload.warmup + workload.steps, logging_steps=1, save_strategy="no", report_to=[],
-        bf16=cuda and dtype == torch.bfloat16, use_cpu=not cuda, seed=workload.seed, dataloader_num_workers=0)
-    if spec.get("generation_batch_size"):
-        settings["generation_batch_size"] = spec["generation_batch_size"]
-    config = trl.GRPOConfig(**settings)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=trl_reward, args=config, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[StepClock()])
     with telemetry:
         trainer.train()
-    result = {
-        "records": records_to_json(records),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "torch_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
-        "settings": {k: (v if isinstance(v, (int, float, str, bool, dict, type(None))) else str(v))
-                     for k, v in settings.items()} | {
-            "steps_per_generation": config.steps_per_generation, "generation_batch_size": config.generation_batch_size,
-            "gradient_checkpointing": config.gradient_checkpointing, "loss_type": config.loss_type,
-            "beta": config.beta, "optim": str(config.optim), "attn_implementation": model.config._attn_implementation},
-        "versions": {name: version(name) for name in ("trl", "transformers", "accelerate", "datasets", "torch")},
-    }
-    out.write_text(json.dumps(result, indent=2))
+    save()
 
 
 if __name__ == "__main__":

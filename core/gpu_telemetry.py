@@ -135,11 +135,14 @@ class NvmlSource:
             raise
 
     def read(self) -> list[GpuReading]:
-        return [GpuReading(self._get(lambda: self.nvml.nvmlDeviceGetUtilizationRates(h).gpu),
-                           self._get(lambda: self.nvml.nvmlDeviceGetMemoryInfo(h).used),
-                           self._get(lambda: self.nvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
-                           self._get(lambda: self.nvml.nvmlDeviceGetClockInfo(h, self.nvml.NVML_CLOCK_SM)))
-                for h in self.handles]
+        return [self._read(handle) for handle in self.handles]
+
+    def _read(self, handle) -> GpuReading:
+        nvml = self.nvml
+        return GpuReading(self._get(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                          self._get(lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used),
+                          self._get(lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),
+                          self._get(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)))
 
     def _get(self, read: Callable[[], float]) -> float:
         try:
