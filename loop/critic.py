@@ -13,7 +13,7 @@ from torch import nn
 
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
-from redline.loop.schedule import build_optimizer, build_scheduler, optimizer_state
+from redline.loop.schedule import build_optimizer, build_scheduler, master_weights_for
 from redline.loop.worker import _forward_hidden
 
 
@@ -40,7 +40,8 @@ class CriticWorker:
         self.dp = dp
         self.cfg = train_cfg
         self.value_clip = value_clip
-        self.optimizer = build_optimizer(self.model.parameters(), train_cfg, lr=lr, dp=dp)
+        self.master = master_weights_for(self.model, train_cfg, dp)
+        self.optimizer = build_optimizer(self.model.parameters(), train_cfg, lr=lr, master=self.master)
         self.scheduler = build_scheduler(self.optimizer, train_cfg, total_steps)
         self.device = self.model.head.weight.device
 
@@ -63,7 +64,7 @@ class CriticWorker:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = accumulate_and_clip(self.model, batches, weights, self.value_loss, device=self.device,
-                                     clip=self.cfg.clip_grad, dp=self.dp)
+                                     clip=self.cfg.clip_grad, dp=self.dp, master=self.master)
         totals["value_grad_norm"] = totals.pop("grad_norm")
         del totals["loss"]  # the same number as value_loss
         if all(math.isfinite(v) for v in totals.values()):  # a NaN/inf step is skipped, as the actor's
@@ -72,7 +73,7 @@ class CriticWorker:
         return totals
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": optimizer_state(self.optimizer, self.dp),
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -7,9 +7,11 @@ from redline.loop.data_parallel import DataParallel
 
 
 def accumulate_and_clip(model, batches, weights: list[float], loss_fn, *, device, clip: float,
-                        dp: DataParallel) -> dict[str, float]:
+                        dp: DataParallel, master=None) -> dict[str, float]:
     """``Σ weight · loss`` backward over ``batches`` (``loss_fn(batch) -> (loss, metrics)``), gradients averaged
-    over the DP ranks, then clipped to ``clip`` (<= 0: no clipping). Returns the weighted sums of ``loss`` and
+    over the DP ranks, then clipped to ``clip`` (<= 0: no clipping). With ``master`` (a
+    ``redline.trainer.mixed_precision.MasterWeights``) the gradients accumulate in its fp32 buffer, and the
+    averaging and clip factor are left to its optimizer's fused update. Returns the weighted sums of ``loss`` and
     each metric, averaged over the ranks (with ``DataParallel.loss_weights`` these are whole-batch means), and
     ``grad_norm``, the norm before clipping (NaN/inf when a gradient was)."""
     totals: dict[str, torch.Tensor] = {}
@@ -19,7 +21,9 @@ def accumulate_and_clip(model, batches, weights: list[float], loss_fn, *, device
         for key, value in {"loss": loss.detach(), **metrics}.items():
             totals[key] = totals.get(key, 0.0) + value.detach().float() * weight
     max_norm = clip if clip > 0 else float("inf")
-    if dp.state is None:
+    if master is not None:
+        norm = master.reduce_and_clip(max_norm)
+    elif dp.state is None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     else:
         from redline.trainer.parallel import clip_grad_norm, finalize_grads

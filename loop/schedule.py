@@ -6,28 +6,29 @@ import torch
 
 from redline.config import TrainConfig
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
-from redline.trainer.parallel.optim import zero1_adamw
+from redline.trainer.mixed_precision import MasterWeights, MixedPrecisionAdamW
+
+
+def master_weights_for(model, cfg: TrainConfig, dp: DataParallel = SINGLE_PROCESS) -> MasterWeights | None:
+    """fp32 master weights and gradients for ``model`` when it trains below fp32, under data parallelism (the
+    master shards are ZeRO-1's) or with ``--optimizer-cpu-offload``; None: a single-process fp32 model steps its
+    own parameters."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if all(p.dtype == torch.float32 for p in trainable) and dp.world == 1 and not cfg.optimizer_cpu_offload:
+        return None
+    return MasterWeights(model, parallel=dp.state, offload=cfg.optimizer_cpu_offload)
 
 
 def build_optimizer(params, cfg: TrainConfig, lr: float | None = None,
-                    dp: DataParallel = SINGLE_PROCESS) -> torch.optim.Optimizer:
-    """AdamW, fused on CUDA (one kernel for all parameters). With several data-parallel ranks its states are
-    sharded over them (ZeRO-1, ``ZeroRedundancyOptimizer``): each rank updates its share and broadcasts it."""
-    params = [p for p in params if p.requires_grad]
+                    master: MasterWeights | None = None) -> torch.optim.Optimizer:
+    """AdamW at ``lr`` (default ``--lr``): over ``master``'s fp32 shards when given (``MixedPrecisionAdamW``),
+    else torch's AdamW over ``params``, fused on CUDA (one kernel for all parameters)."""
     options = dict(lr=cfg.lr if lr is None else lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                   weight_decay=cfg.weight_decay, fused=bool(params) and params[0].is_cuda)
-    if dp.world == 1:
-        return torch.optim.AdamW(params, **options)
-    return zero1_adamw(params, dp.state, **options)
-
-
-def optimizer_state(optimizer, dp: DataParallel = SINGLE_PROCESS) -> dict | None:
-    """The optimizer's whole state on rank 0 (None elsewhere). Collective under ZeRO-1: every rank must call it,
-    the shards are gathered to rank 0."""
-    if dp.world == 1:
-        return optimizer.state_dict()
-    optimizer.consolidate_state_dict(to=0)
-    return optimizer.state_dict() if dp.is_main else None
+                   weight_decay=cfg.weight_decay)
+    if master is not None:
+        return MixedPrecisionAdamW(master, **options)
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(params, fused=bool(params) and params[0].is_cuda, **options)
 
 
 def lr_factor(step: int, warmup: int, total: int, style: str, min_ratio: float) -> float:

@@ -13,7 +13,7 @@ from redline.loop.batching import MicroBatch
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
 from redline.loop.reference import ReferencePolicy
-from redline.loop.schedule import build_optimizer, build_scheduler, optimizer_state
+from redline.loop.schedule import build_optimizer, build_scheduler, master_weights_for
 from redline.trainer.padding import token_multiple
 
 
@@ -40,10 +40,12 @@ class TrainerWorker:
         self.dp = dp
         self.cfg = train_cfg
         self.temperature = temperature
-        self.optimizer = build_optimizer(model.parameters(), train_cfg, dp=dp)
+        # the reference first: it copies the weights before they become views of the master's flat buffer
+        self.reference = ReferencePolicy(model) if keep_reference else None
+        self.master = master_weights_for(model, train_cfg, dp)
+        self.optimizer = build_optimizer(model.parameters(), train_cfg, master=self.master)
         self.scheduler = build_scheduler(self.optimizer, train_cfg, total_steps)
         self.rl_optimizer = (self.optimizer, self.scheduler)
-        self.reference = ReferencePolicy(model) if keep_reference else None
         self.bad_steps = 0
         self.device = next(model.parameters()).device
         self.num_parameters = sum(p.numel() for p in model.parameters())
@@ -92,8 +94,9 @@ class TrainerWorker:
         return loss, {"sft_loss": loss.detach()}
 
     def begin_sft(self, lr: float, steps: int) -> None:
-        """Switch to a fresh optimiser for an SFT warm-up of ``steps`` steps at ``lr`` (warmup, then constant)."""
-        self.optimizer = build_optimizer(self.model.parameters(), self.cfg, lr=lr, dp=self.dp)
+        """Switch to a fresh optimiser for an SFT warm-up of ``steps`` steps at ``lr`` (warmup, then constant); it
+        shares the master weights, not the moments, of the RL optimiser."""
+        self.optimizer = build_optimizer(self.model.parameters(), self.cfg, lr=lr, master=self.master)
         self.scheduler = build_scheduler(self.optimizer, self.cfg, steps)
 
     def end_sft(self) -> None:
@@ -108,7 +111,7 @@ class TrainerWorker:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         result = accumulate_and_clip(self.model, batches, weights, loss_fn, device=self.device,
-                                     clip=self.cfg.clip_grad, dp=self.dp)
+                                     clip=self.cfg.clip_grad, dp=self.dp, master=self.master)
         result["lr"] = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):
             self.optimizer.zero_grad(set_to_none=True)
@@ -121,8 +124,9 @@ class TrainerWorker:
         return result
 
     def state_dict(self) -> dict:
-        """Optimizer (whole on rank 0, None elsewhere: collective under ZeRO-1), scheduler, counters."""
-        return {"optimizer": optimizer_state(self.optimizer, self.dp), "scheduler": self.scheduler.state_dict(),
+        """This rank's optimizer state (with mixed precision: its shard of the fp32 master weights and moments),
+        scheduler, counters."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict) -> None:

@@ -373,9 +373,10 @@ def test_pipeline_export_and_save_over_nccl_are_the_whole_model(config_of, tmp_p
 
 
 def dp_worker(rank, config):
-    """Each DP rank sees half the batch; after one ZeRO-1 AdamW step the weights equal one process's step on
-    the whole batch (mean loss)."""
-    from redline.trainer.parallel import zero1_adamw
+    """Each DP rank sees half the batch; after one ZeRO-1 step (each rank updates its half of the fp32 master
+    weights and moments, then the weights are all-gathered) the weights equal one process's AdamW step on the
+    whole batch (mean loss)."""
+    from redline.trainer.mixed_precision import MasterWeights, MixedPrecisionAdamW
 
     reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
     model = from_config(config, dtype=torch.float32, device=device(), seed=0,
@@ -383,15 +384,16 @@ def dp_worker(rank, config):
     halves = [batch(config, (6, 2), seed=10), batch(config, (3, 5), seed=11)]
     for input_ids, cu_seqlens in halves:
         (next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids) / 2).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
     torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+    master = MasterWeights(model, parallel=model.parallel_state)
+    optimizer = MixedPrecisionAdamW(master, lr=1e-2, weight_decay=1e-2)
     input_ids, cu_seqlens = halves[rank]
     next_token_loss(model.logits(input_ids, cu_seqlens), input_ids).backward()
-    finalize_grads(model, model.parallel_state)
-    optimizer = zero1_adamw(model.parameters(), model.parallel_state, lr=1e-2)
+    master.reduce_and_clip(1.0)
     optimizer.step()
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    assert isinstance(optimizer, ZeroRedundancyOptimizer)
+    (group,) = master.groups
+    assert group.master.numel() == group.numel // 2  # this rank's shard of master weights and moments
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 

@@ -2,7 +2,7 @@
 gradient clipping (``optim``) and activation recompute (``recompute``), all from one ``ParallelConfig``."""
 
 from redline.trainer.parallel.config import ParallelConfig, ParallelState
-from redline.trainer.parallel.optim import clip_grad_norm, finalize_grads, grad_norm, zero1_adamw
+from redline.trainer.parallel.optim import clip_grad_norm, finalize_grads, grad_norm
 from redline.trainer.parallel.pipeline import one_f_one_b, split_stage
 from redline.trainer.parallel.recompute import apply_recompute
 from redline.trainer.parallel.tensor import apply_tensor_parallel
@@ -20,4 +20,4 @@ def parallelize(model, parallel: ParallelConfig | ParallelState):
 
 
 __all__ = ["ParallelConfig", "ParallelState", "apply_recompute", "clip_grad_norm", "finalize_grads", "grad_norm",
-           "one_f_one_b", "parallelize", "split_stage", "zero1_adamw"]
+           "one_f_one_b", "parallelize", "split_stage"]
