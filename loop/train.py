@@ -304,7 +304,8 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
     seconds = time.perf_counter() - began
     report = metrics.report(f"redline run {config.checkpoint.run_name}", [
         *(f"**WARNING** {w}" for w in health.warnings), f"config: {config_path}", f"output: {out}",
-        f"RL steps: {last - start} in {seconds:.1f} s" + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else ""),
+        f"RL steps: {last - start} in {seconds:.1f} s"
+        + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else ""),
         *stopped])
     progress.print(summary(metrics.records, last - start, seconds, report), "bold")
     return report

@@ -102,7 +102,7 @@ def failing_reward(tmp_path, monkeypatch):
 
 
 def test_an_error_during_the_run_is_one_line_too(failing_reward, tmp_path):
-    line = assert_one_error_line(train("--custom-rm-path", failing_reward, "--output-dir", str(tmp_path / "run")),
+    assert_one_error_line(train("--custom-rm-path", failing_reward, "--output-dir", str(tmp_path / "run")),
                                  f"reward --custom-rm-path {failing_reward} raised KeyError", "on sample ")
 
 

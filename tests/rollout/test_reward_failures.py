@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from redline.rollout.rewards import Reward, RewardError, build_reward
+from redline.rollout.rewards import RewardError, build_reward
 from redline.rollout.rewards.remote import RemoteRewardError, check_reachable
 from redline.rollout.types import Sample
 
@@ -158,8 +158,9 @@ def remote(url, **options):
 
 def test_remote_garbage_is_reported_with_the_sample():
     with Server(body=b"<html>busy</html>") as server:
-        with pytest.raises(RewardError, match=rf"reward --rm-type remote_rm \({server.url}\) raised RemoteRewardError"
-                                              r".*'<html>busy</html>', which is not JSON on sample 10"):
+        expected = (rf"reward --rm-type remote_rm \({server.url}\) raised RemoteRewardError"
+                    r".*'<html>busy</html>', which is not JSON on sample 10")
+        with pytest.raises(RewardError, match=expected):
             asyncio.run(remote(server.url)())
 
 
@@ -176,7 +177,7 @@ def run_cli(*flags, cwd: Path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "redline.cli", "train", str(QUICKSTART), "--num-rollout", "1",
                            "--sft-steps", "0", "--eval-interval", "100", "--output-dir", str(cwd / "run"), *flags],
-                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env, check=False)
 
 
 def test_a_remote_rm_that_refuses_connections_stops_the_start(tmp_path):
