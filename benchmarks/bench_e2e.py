@@ -38,8 +38,8 @@ from e2e_workload import TINY, Workload, records_from_json, summarize, write_pro
 HERE = Path(__file__).resolve().parent
 TRAINERS = ("redline-embedded", "redline-sglang", "trl")
 BASELINE = "trl"  # ratios in the table are against it
-HEADER = ("| trainer | step s | generated tok/s | trained tok/s | vs TRL | phases (mean s) | peak GPU GB | train MFU "
-          "| GPU idle |")
+HEADER = ("| trainer | steps | step s | generated tok/s | trained tok/s | vs TRL | phases (mean s) | peak GPU GB "
+          "| train MFU | GPU idle |")
 
 
 def environment() -> dict:
@@ -180,20 +180,23 @@ def markdown(results: list[dict], env: dict) -> str:
         rows = [r for r in results if r["shape"] == shape]
         workload = Workload(**rows[0]["workload"])
         base = next((r["summary"] for r in rows if r["trainer"] == BASELINE and "summary" in r), None)
-        lines += [f"## {workload.describe()}", "", HEADER, "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+        lines += [f"## {workload.describe()}", "", HEADER,
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
         for r in rows:
             s = r.get("summary")
             if s is None:
-                lines.append(f"| {r['trainer']} | — | — | — | — | {r.get('skipped') or r.get('error')} | | | |")
+                why = r.get("skipped") or r.get("error")
+                lines.append(f"| {r['trainer']} | — | — | — | — | — | {why} | | | |")
                 continue
             ratio = f"{s['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}x" if base else "—"
             phases = ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"].items())
-            lines.append(f"| {r['trainer']} | {s['step_time_s']:.2f} | {s['generated_tokens_per_s']:,.0f} | "
-                         f"{s['trained_tokens_per_s']:,.0f} | {ratio} | {phases} | "
+            lines.append(f"| {r['trainer']} | {s['steps']} after {r['workload']['warmup']} | {s['step_time_s']:.2f} | "
+                         f"{s['generated_tokens_per_s']:,.0f} | {s['trained_tokens_per_s']:,.0f} | {ratio} | "
+                         f"{phases} | "
                          f"{_num(s['peak_gpu_mem_gb'], '.1f')} | {_num(s['train_mfu'], '.1%')} | "
                          f"{_num(s['gpu_idle_share'], '.1%')} |")
             if r.get("error"):
-                lines.append(f"| ↳ partial: {r['error']} | | | | | | | | |")
+                lines.append(f"| ↳ partial: {r['error']} | | | | | | | | | |")
         lines.append("")
     software = env.get("software", {})
     versions = ", ".join(f"{k} {software[k]}" for k in ("redline", "torch", "transformers", "SGLang", "trl",
@@ -297,7 +300,8 @@ def main(argv=None) -> int:
                     (args.out / shape / f"{trainer}.json").write_text(json.dumps(result, indent=2))
                     print(f"{shape} {trainer}: skipped ({reason})", flush=True)
                     continue
-                print(f"{shape} {trainer}: running ({workload.describe()})", flush=True)
+                print(f"{shape} {trainer}: running {workload.steps} steps after {workload.warmup} warm-up "
+                      f"({workload.describe()})", flush=True)
                 result = measure(trainer, workload, model_dir, prompts, args.out, args, env)
                 s = result.get("summary")
                 print(f"{shape} {trainer}: " + (f"{s['step_time_s']:.2f} s/step, {s['trained_tokens_per_s']:,.0f} "

@@ -40,9 +40,9 @@ class Workload:
         return self.prompts * self.samples
 
     def describe(self) -> str:
+        """The workload per step (trainers run into one folder may differ in their number of steps)."""
         return (f"Qwen3 shape {self.shape}, random weights, {self.prompts} prompts x {self.samples} samples of "
-                f"{self.prompt_len} + {self.response_len} tokens (EOS ignored), GRPO, {self.dtype}, lr {self.lr:g}, "
-                f"{self.steps} steps after {self.warmup} warm-up")
+                f"{self.prompt_len} + {self.response_len} tokens (EOS ignored), GRPO, {self.dtype}, lr {self.lr:g}")
 
 
 TINY = dict(shape="tiny", prompts=4, samples=4, prompt_len=8, response_len=16, steps=2, warmup=1, dtype="float32")

@@ -144,5 +144,20 @@ def bench_report(results, out_dir):
         click.echo(path)
 
 
+@bench.command("e2e", add_help_option=False, context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench_e2e(args):
+    """End-to-end GRPO throughput beside other trainers: runs benchmarks/bench_e2e.py of this source checkout with
+    ARGS (``redline bench e2e --help`` prints its options)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    if not script.is_file():
+        raise click.UsageError(f"{script} not found: `redline bench e2e` runs from a source checkout "
+                               "(pip install -e .)")
+    sys.exit(subprocess.call([sys.executable, str(script), *args]))
+
+
 if __name__ == "__main__":
     main()

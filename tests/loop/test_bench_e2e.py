@@ -127,3 +127,14 @@ def test_tiny_benchmark_runs_trl(tiny_bench, tmp_path):
     assert measured["trained_tokens"] == workload.samples_per_step * (workload.prompt_len + workload.response_len)
     assert set(result["summary"]["phases_s"]) == {"generate", "score", "train"}
     assert result["settings"]["generation_batch_size"] == workload.samples_per_step
+
+
+def test_cli_entry_runs_the_benchmark_script(tmp_path):
+    from click.testing import CliRunner
+
+    from redline.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "e2e", str(tmp_path), "--report-only"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "e2e.json").read_text())["results"] == []
+    assert (tmp_path / "e2e.md").read_text().startswith("# End-to-end GRPO benchmark")
