@@ -75,10 +75,9 @@ def synthetic_batch(n_tokens: int, vocab: int, generator: torch.Generator, with_
     mask = torch.ones(n_tokens, dtype=torch.bool)
     mask[cu[:-1].long()] = n_tokens == 1  # a lone token is still trained on: the kernels see one row
     ids = torch.randint(0, vocab, (n_tokens,), generator=generator)
-    values = {"advantages": torch.randn(n_tokens, generator=generator),
-              "old_logp": -torch.rand(n_tokens, generator=generator), "rollout_logp": -torch.rand(n_tokens, generator=generator)}
-    if with_ref:
-        values["ref_logp"] = -torch.rand(n_tokens, generator=generator)
+    values = {"advantages": torch.randn(n_tokens, generator=generator)}
+    for name in ("old_logp", "rollout_logp") + (("ref_logp",) if with_ref else ()):
+        values[name] = -torch.rand(n_tokens, generator=generator)
     return MicroBatch(input_ids=ids, targets=torch.roll(ids, -1), cu_seqlens=cu, loss_mask=mask,
                       sample_ids=list(range(len(lengths))),
                       token_values={k: v * mask for k, v in values.items()})
@@ -103,14 +102,13 @@ def tune_lm_head(state, console) -> dict[str, float]:
                                       weight.dtype, torch.cuda.get_device_capability(device))
     blocks = sum(len(b) for keys in shapes.values() for b in keys.values())
 
-    def progress(done, total, text):
-        console.print(f"  tuning LM-head GEMMs {done + 1}/{total}: {text}", highlight=False)
-
     def tune_on_main():
         loaded = tuning_table.apply(lm_head_tuning.AUTOTUNED, tuning_table.load(path, fp))
         console.print(f"kernel tuning table: {path} ({loaded} choices loaded; {blocks} LM-head GEMM shapes to "
                       f"check)", highlight=False)
-        lm_head_tuning.tune(weight, shapes, progress if blocks else None)
+        with console.status("") as status:
+            lm_head_tuning.tune(weight, shapes, lambda done, total, text: status.update(
+                f"tuning LM-head GEMMs: shape {done + 1}/{total} ({text})"))
         entries = tuning_table.harvest(lm_head_tuning.AUTOTUNED)
         tuning_table.save(path, fp, entries)
         return entries, len(entries) - loaded
@@ -147,7 +145,8 @@ def compile_step_kernels(state, console) -> int:
 
 def warm_up(state, console, clock: CompileClock) -> dict[str, float]:
     """Tune and compile before the first step (CUDA only); prints a start-up line and returns the metrics step 1
-    carries: ``perf/startup_compile_time`` (s, tuning and compilation), ``perf/startup_compile_count`` (kernels
+    carries: ``perf/startup_compile_time`` (s, the warm-up's wall time: tuning, compilation, the synthetic
+    micro-batches), ``perf/startup_compile_count`` (kernels
     compiled rather than loaded from Triton's cache), ``perf/startup_tuned_keys`` (autotuner keys timed now)."""
     began = time.perf_counter()
     clock.take()
@@ -157,6 +156,9 @@ def warm_up(state, console, clock: CompileClock) -> dict[str, float]:
     offload = getattr(state.weight_sync, "offload", False)
     if offload:
         state.loop.run_until_complete(state.weight_sync.release())
+    console.print(f"kernel warm-up: tuning the LM-head GEMMs, then the step's kernels at "
+                  f"{len(warmup_row_counts(max_micro_batch_tokens(state.config)))} micro-batch sizes",
+                  highlight=False)
     metrics = tune_lm_head(state, console)
     sizes = compile_step_kernels(state, console)
     if offload:
