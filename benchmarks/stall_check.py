@@ -12,7 +12,7 @@ phase exceeds ``--ratio`` (1.5) times the median of steps 2–6 of that phase, a
 Writes OUT/summary.json, OUT/summary.md, and each run's folder and log (OUT/run1, OUT/run1.log, ...). Exit
 status 0 when every check passed, 1 otherwise. ``--config``/``--arg`` change the command (the CPU smoke test runs
 the quickstart at a tiny size; there the kernels run in PyTorch, no warm-up happens and the start-up fields are
-absent).
+absent). ``--run 1`` then ``--run 2`` split the two runs over two commands.
 """
 
 import argparse
@@ -88,7 +88,7 @@ def markdown(summary: dict, command: list[str]) -> str:
                   f"compiled, {_n(run['startup_tuned_keys'])} LM-head GEMM keys tuned); wall {run['wall_s']:.1f} s, "
                   f"of it outside the steps {run['wall_outside_steps_s']:.1f} s", "",
                   "| step | " + " | ".join(PHASES) + " | perf/compile_time |", "|---" * (len(PHASES) + 2) + "|"]
-        steps = sorted({s for p in run["phases"].values() for s in p["per_step"]})
+        steps = sorted({s for p in run["phases"].values() for s in p["per_step"]}, key=int)  # str keys from JSON
         for s in steps:
             cells = [_s(run["phases"][k]["per_step"].get(s)) for k in PHASES]
             lines.append(f"| {s} | " + " | ".join(cells) + f" | {_s(run['compile_time_per_step_s'].get(s))} |")
@@ -118,29 +118,36 @@ def main(argv=None) -> int:
     parser.add_argument("--arg", action="append", dest="args", default=None,
                         help=f"one argument for redline train (repeat it; default: {' '.join(DEFAULT_ARGS)})")
     parser.add_argument("--ratio", type=float, default=1.5)
+    parser.add_argument("--run", choices=("both", "1", "2"), default="both",
+                        help="1: the first run alone (empties the caches); 2: the second alone, then the summary "
+                             "(for a time limit per command)")
     opts = parser.parse_args(argv)
     out = opts.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TRITON_CACHE_DIR=str(out / "triton-cache"), REDLINE_CACHE_DIR=str(out / "redline-cache"))
-    for cache in ("triton-cache", "redline-cache"):  # empty before the first run, kept for the second
-        shutil.rmtree(out / cache, ignore_errors=True)
-    runs, command = [], None
-    for i in (1, 2):
+    command = [sys.executable, "-m", "redline.cli", "train", opts.config, *(opts.args or DEFAULT_ARGS)]
+    for i in (1, 2) if opts.run == "both" else (int(opts.run),):
+        if i == 1:  # empty before the first run, kept for the second
+            for cache in ("triton-cache", "redline-cache"):
+                shutil.rmtree(out / cache, ignore_errors=True)
         folder = out / f"run{i}"
         shutil.rmtree(folder, ignore_errors=True)
-        command = [sys.executable, "-m", "redline.cli", "train", opts.config, *(opts.args or DEFAULT_ARGS),
-                   "--output-dir", str(folder)]
-        print(f"run {i}: {' '.join(command)}", flush=True)
+        print(f"run {i}: {' '.join(command)} --output-dir {folder}", flush=True)
         began = time.perf_counter()
         with open(out / f"run{i}.log", "w") as log:
-            code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+            code = subprocess.run([*command, "--output-dir", str(folder)], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, cwd=REPO).returncode
         wall = time.perf_counter() - began
         if code != 0:
             print(f"run {i} failed (exit {code}); see {out / f'run{i}.log'}", file=sys.stderr)
             return 1
-        runs.append(run_summary(read_steps(folder / "metrics.jsonl"), wall, opts.ratio))
+        run = run_summary(read_steps(folder / "metrics.jsonl"), wall, opts.ratio)
+        (out / f"run{i}.json").write_text(json.dumps(run, indent=1))
+    if not all((out / f"run{i}.json").exists() for i in (1, 2)):
+        return 0
+    runs = [json.loads((out / f"run{i}.json").read_text()) for i in (1, 2)]
     summary = summarize(runs, opts.ratio)
-    summary["command"] = command[:-2]  # without this run's folder
+    summary["command"] = command
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(markdown(summary, summary["command"]))
     print((out / "summary.md").read_text())
