@@ -138,6 +138,8 @@ class TrainConfig:
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.98, "AdamW beta2")
     clip_grad: float = option(1.0, "gradient-norm clip (0: off)")
+    optimizer_cpu_offload: bool = option(False, "keep the fp32 master weights and Adam moments in pinned host "
+                                         "memory; each step streams them through the GPU in chunks")
     max_bad_steps: int = option(3, "stop after this many NaN/inf steps")
     sft_steps: int = option(0, "SFT warm-up optimizer steps before RL")
     sft_lr: float | None = option(None, "learning rate of the SFT warm-up (defaults to lr)")

@@ -19,6 +19,7 @@ from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.health import RunHealth
 from redline.loop.progress import RunProgress, summary
 from redline.loop.step import RunState, rl_step
+from redline.loop.training_memory import memory_table
 from redline.loop.validate import check_distributed_timeout, loss_config, validate
 from redline.loop.warmup import CompileClock, warm_up, warmup_enabled
 from redline.loop.worker import TrainerWorker
@@ -117,9 +118,19 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
             raise
     console.print(weight_sync.describe())
     if dp.world > 1:
-        console.print(f"data parallel: {dp.world} ranks, AdamW states sharded over them (ZeRO-1)")
+        console.print(f"data parallel: {dp.world} ranks, fp32 master weights and AdamW moments sharded over them "
+                      "(ZeRO-1)")
+    console.print("training state (this rank):\n" + "\n".join(training_memory(worker, critic)))
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, weight_sync=weight_sync,
                     loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic, dp=dp), tokenizer
+
+
+def training_memory(worker, critic) -> list[str]:
+    """The memory table of the policy's (and the critic's) training state."""
+    models = {"policy": (worker.model, worker.master)}
+    if critic is not None:
+        models["critic"] = (critic.model, critic.master)
+    return memory_table(models)
 
 
 def shutdown(state: RunState) -> None:
@@ -148,12 +159,11 @@ async def _cancel_others() -> None:
 
 
 def trainer_state(state: RunState) -> tuple[dict, dict]:
-    """``(shared, this rank's)`` checkpoint state: optimizer, scheduler, controllers are the same on every rank;
-    the data position is each rank's own."""
-    shared = {"worker": state.worker.state_dict(),
-              "kl_controller": state.kl_controller.state_dict() if state.kl_controller else None,
-              "critic": state.critic.state_dict() if state.critic else None}
-    return shared, {"rollout": state.rollout.state_dict()}
+    """``(shared, this rank's)`` checkpoint state: the controllers are the same on every rank; the optimizers
+    (each rank's shard of the fp32 master weights and moments) and the data position are each rank's own."""
+    shared = {"kl_controller": state.kl_controller.state_dict() if state.kl_controller else None}
+    return shared, {"rollout": state.rollout.state_dict(), "worker": state.worker.state_dict(),
+                    "critic": state.critic.state_dict() if state.critic else None}
 
 
 def restore(state: RunState, folder: Path) -> int:
@@ -162,12 +172,12 @@ def restore(state: RunState, folder: Path) -> int:
 
     saved, mine = checkpoint.load_state(folder, state.dp)
     load_hf_weights(state.worker.model, folder / "model")
-    state.worker.load_state_dict(saved["worker"])
+    state.worker.load_state_dict(mine["worker"])
     state.rollout.load_state_dict(mine["rollout"])
     if state.kl_controller and saved["kl_controller"]:
         state.kl_controller.load_state_dict(saved["kl_controller"])
-    if state.critic and saved.get("critic"):
-        state.critic.load_state_dict(saved["critic"])
+    if state.critic and mine.get("critic"):
+        state.critic.load_state_dict(mine["critic"])
     checkpoint.set_rng_state(mine["rng"])
     state.loop.run_until_complete(state.weight_sync.push(str(saved["rollout_id"] + 1)))
     return saved["rollout_id"] + 1
@@ -306,7 +316,7 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         *(f"**WARNING** {w}" for w in health.warnings), f"config: {config_path}", f"output: {out}",
         f"RL steps: {last - start} in {seconds:.1f} s"
         + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else ""),
-        *stopped])
+        *stopped, "", "Training state of rank 0:", "", *training_memory(state.worker, state.critic)])
     progress.print(summary(metrics.records, last - start, seconds, report), "bold")
     return report
 
