@@ -247,3 +247,19 @@ def test_logprob_gap_metric_measures_engine_vs_trainer(tmp_path):
     batch = pack(samples, [0], {"advantages": [torch.ones(2)], "rollout_logp": [engine_logp]})
     _, metrics = worker.policy_loss(batch, LossConfig(), reuse_old_logp=True)
     assert float(metrics["rollout_logprob_abs_diff"]) == pytest.approx(0.2, abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_run_warms_up_kernels_before_the_first_step(finished_run):
+    """The start-up warm-up's cost is in step 1's record; later steps compile no Triton kernel (step 1 may: an
+    in-process embedded engine compiles its decode attention in the first rollout, which the warm-up leaves)."""
+    rows = records(finished_run)[1:]
+    assert rows[0]["perf/startup_compile_time"] > 0
+    assert {"perf/startup_compile_count", "perf/startup_tuned_keys", "perf/compile_time"} <= rows[0].keys()
+    assert [r["perf/compile_count"] for r in rows[1:]] == [0.0] * (len(rows) - 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU run")
+def test_cpu_run_has_no_kernel_warmup(finished_run):
+    # PyTorch kernels on the CPU: nothing is compiled, so nothing is warmed or clocked
+    assert not any(key.startswith(("perf/compile", "perf/startup")) for r in records(finished_run) for key in r)
