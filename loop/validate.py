@@ -167,8 +167,22 @@ def needs_label(config) -> bool:
 
 
 def check_reward(config) -> None:
-    """A remote reward model answers at ``--rm-url`` (the start-up health check)."""
+    """The reward and the other user functions import and have the right shape; a remote reward model answers at
+    ``--rm-url`` (the start-up health check)."""
+    from redline.rollout.functions import load_function
+    from redline.rollout.rewards import BUILTIN_REWARDS
+
     r = config.rollout
+    for flag, path, must_be_async in (("--custom-rm-path", r.custom_rm_path, True),
+                                      ("--custom-generate-function-path", r.custom_generate_function_path, True),
+                                      ("--dynamic-sampling-filter-path", r.dynamic_sampling_filter_path, False)):
+        if path:
+            try:
+                load_function(path, what=flag, must_be_async=must_be_async)
+            except (ImportError, AttributeError, TypeError, ValueError) as exc:
+                raise ConfigError(str(exc)) from None
+    if r.rm_type is not None and not r.custom_rm_path and r.rm_type not in BUILTIN_REWARDS:
+        raise ConfigError(f"--rm-type {r.rm_type}: unknown; built-ins are {', '.join(BUILTIN_REWARDS)}")
     if r.rm_type == "remote_rm" and not r.custom_rm_path:
         if not r.rm_url:
             raise ConfigError("--rm-type remote_rm needs --rm-url")

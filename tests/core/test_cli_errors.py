@@ -111,3 +111,14 @@ def test_debug_shows_the_traceback(failing_reward, tmp_path):
 
     result = train("--custom-rm-path", failing_reward, "--output-dir", str(tmp_path / "run"), "--debug")
     assert isinstance(result.exception, RewardError)  # raised through, so Python prints its traceback
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--custom-rm-path", "no_such_module:reward"], "--custom-rm-path: cannot import module 'no_such_module'"),
+    (["--custom-rm-path", "json"], "--custom-rm-path: 'json' is not of the form 'package.module:function'"),
+    (["--dynamic-sampling-filter-path", "json:nope"], "--dynamic-sampling-filter-path: module 'json' has no "
+                                                       "attribute 'nope'"),
+    (["--rm-type", "mathh"], "--rm-type mathh: unknown; built-ins are math, exact_match, f1, remote_rm"),
+])
+def test_user_function_paths_are_checked_at_start_up(tmp_path, flags, expected):
+    assert_one_error_line(train(*flags, "--output-dir", str(tmp_path / "run")), expected)
