@@ -99,8 +99,9 @@ setup(
         "ray": ["ray[default]"],
         "data": ["pyarrow", "sympy", "math-verify", "aiohttp"],
         "wandb": ["wandb"],
+        "trl": ["trl>=1.12,<1.17"],  # redline.kernels.integrations.trl replaces GRPOTrainer methods of these releases
         "test": ["pytest>=8", "pytest-benchmark", "triton>=3.2", "hypothesis", "pyarrow", "sympy", "math-verify",
-                 "nvidia-ml-py", "aiohttp", "wandb"],
+                 "nvidia-ml-py", "aiohttp", "wandb", "trl>=1.12,<1.17"],
     },
     entry_points={"console_scripts": ["redline=redline.cli:main"]},
     cmdclass={"build_py": BuildPyWithNative},
