@@ -132,6 +132,14 @@ def check_model_dir(path: str | None) -> None:
                 json.loads((folder / name).read_bytes())
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ConfigError(f"--hf-checkpoint {folder / name}: corrupt JSON ({exc})") from None
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 - the Rust parser's errors have no common Python type
+            raise ConfigError(f"--hf-checkpoint {folder / 'tokenizer.json'}: not a tokenizer the tokenizers "
+                              f"library reads ({exc})") from None
     for weights in sorted(folder.glob("*.safetensors")):
         check_safetensors(weights)
 

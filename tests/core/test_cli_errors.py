@@ -84,6 +84,13 @@ def test_corrupt_tokenizer_json(broken_model, tmp_path):
                           f"--hf-checkpoint {broken_model / 'tokenizer.json'}: corrupt JSON")
 
 
+def test_tokenizer_json_that_is_json_but_no_tokenizer(broken_model, tmp_path):
+    (broken_model / "tokenizer.json").write_text(json.dumps({"model": {"type": "Nonsense"}}))
+    assert_one_error_line(train("--hf-checkpoint", str(broken_model), "--output-dir", str(tmp_path / "run")),
+                          f"--hf-checkpoint {broken_model / 'tokenizer.json'}: not a tokenizer the tokenizers "
+                          "library reads")
+
+
 def test_truncated_safetensors(broken_model, tmp_path):
     weights = broken_model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
