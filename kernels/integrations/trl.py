@@ -5,7 +5,7 @@ After the call the trainer computes, from the policy's last hidden state and nev
   one call), and
 * the no-grad old / reference log-probs with ``fused_linear_logprobs``.
 Everything else (generation, rewards, advantages, the optimizer) stays TRL's. TRL is imported here only when
-``use_redline_kernels`` is called. Tested with TRL 1.16 (kernels/README.md, "With TRL").
+``use_redline_kernels`` is called. Tested with TRL 1.12.0 and 1.16.0 (kernels/README.md, "With TRL").
 
 How TRL's options become a ``LossConfig`` (``loss_config_from_trl``; per token t of completion i, r the ratio):
   loss_type grpo     seq-mean-token-mean over the B completions / gradient-accumulation steps
@@ -32,6 +32,7 @@ no-grad LM-head forward from the same hidden state, 2·T·H·V FLOPs.
 """
 
 import types
+import warnings
 
 import torch
 
@@ -40,6 +41,7 @@ from ..linear_policy_loss import fused_linear_policy_loss
 from ..loss_config import LossConfig
 from .common import WEIGHT_TIS, fusable_lm_head_weight, rollout_logp_for_weights
 
+TESTED_TRL = ("1.12", "1.17")  # tests pass with 1.12.0 and 1.16.0 (setup.py's trl extra)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                      "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -95,7 +97,16 @@ def use_redline_kernels(trainer):
     """Switch ``trainer`` (a ``trl.GRPOTrainer``, after construction, before ``train()``) onto redline's fused
     kernels; returns it. Raises ValueError naming the first TRL option redline cannot compute."""
     import trl
+    from packaging.version import Version
 
+    version = Version(trl.__version__)
+    if version < Version(TESTED_TRL[0]):
+        raise ValueError(f"use_redline_kernels replaces GRPOTrainer internals as TRL >= {TESTED_TRL[0]} has them "
+                         f"(tested: 1.12.0, 1.16.0), found TRL {trl.__version__}")
+    if version >= Version(TESTED_TRL[1]):
+        warnings.warn(f"use_redline_kernels is tested with TRL {TESTED_TRL[0]} up to before {TESTED_TRL[1]}, found "
+                      f"{trl.__version__}: it replaces GRPOTrainer._compute_loss, check that its loss still matches",
+                      stacklevel=2)
     if not isinstance(trainer, trl.GRPOTrainer):
         raise ValueError(f"use_redline_kernels expects a trl.GRPOTrainer, got {type(trainer).__name__}")
     if trainer.aux_loss_enabled:
