@@ -159,7 +159,7 @@ def measure(trainer: str, workload: Workload, model_dir: Path, prompts: Path, ou
     else:
         raw = run_redline(trainer, workload, model_dir, prompts, folder, args)
     result = {"trainer": trainer, "shape": workload.shape, "workload": dataclasses.asdict(workload),
-              "wall_s": time.time() - started, **raw}
+              "wall_s": time.time() - started, "environment": env, **raw}  # versions may change between sittings
     records = records_from_json(raw["records"])
     if len(records) > workload.warmup:
         result["summary"] = summarize(records, workload, raw["num_parameters"], gpu_name(env))
