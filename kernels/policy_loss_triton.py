@@ -75,11 +75,13 @@ def _kl_and_grad(delta, KL_TYPE: tl.constexpr):
 
 
 @triton.jit
-def _find_sequence(cu_seqlens_ptr, offs, num_seqs, SEARCH_STEPS: tl.constexpr):
-    """The largest s in [0, S) with cu_seqlens[s] <= offs: the sequence holding token offs (empty ones skipped)."""
+def _find_sequence(cu_seqlens_ptr, offs, num_seqs, search_steps):
+    """The largest s in [0, S) with cu_seqlens[s] <= offs: the sequence holding token offs (empty ones skipped).
+    ``search_steps`` (S's bit length) is a runtime loop bound, not a constexpr: a constexpr would compile the
+    kernels again for every power-of-two bucket of sequence counts, inside RL steps (issue 23)."""
     lo = tl.zeros(offs.shape, tl.int32)
     hi = lo + (num_seqs - 1)
-    for _ in tl.static_range(SEARCH_STEPS):
+    for _ in range(search_steps):
         mid = (lo + hi + 1) // 2
         right = tl.load(cu_seqlens_ptr + mid) <= offs
         lo = tl.where(right, mid, lo)
@@ -88,10 +90,10 @@ def _find_sequence(cu_seqlens_ptr, offs, num_seqs, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _token_sequence(cu_seqlens_ptr, offs, num_tokens, num_seqs, HAS_CU: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+def _token_sequence(cu_seqlens_ptr, offs, num_tokens, num_seqs, search_steps, HAS_CU: tl.constexpr):
     """(sequence, its first token, its end) of each token offs; without cu_seqlens the batch is one sequence."""
     if HAS_CU:
-        seq = _find_sequence(cu_seqlens_ptr, offs, num_seqs, SEARCH_STEPS)
+        seq = _find_sequence(cu_seqlens_ptr, offs, num_seqs, search_steps)
         start = tl.load(cu_seqlens_ptr + seq)
         end = tl.load(cu_seqlens_ptr + seq + 1)
     else:
@@ -109,9 +111,11 @@ def _segmented_sum(a_n, a_lr, a_pos, a_neg, a_start, b_n, b_lr, b_pos, b_neg, b_
             tl.where(go_on, a_pos + b_pos, b_pos), tl.where(go_on, a_neg + b_neg, b_neg), a_start | b_start)
 
 
-@triton.jit
+# the sequence count and search length enter only scalar arithmetic: compiled unspecialized, so a batch with a new
+# number of sequences (one, a multiple of 16) compiles nothing inside an RL step
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"])
 def _sequence_stats_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, rollout_ptr, cu_seqlens_ptr, slots_ptr,
-                           counters_ptr, num_tokens, num_seqs, HAS_CU: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                           counters_ptr, num_tokens, num_seqs, search_steps, HAS_CU: tl.constexpr,
                            PER_SEQ: tl.constexpr, GSPO: tl.constexpr, TIS: tl.constexpr, TIS_LOW: tl.constexpr,
                            TIS_HIGH: tl.constexpr, BLOCK: tl.constexpr):
     block = tl.program_id(0)
@@ -122,7 +126,7 @@ def _sequence_stats_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, rollout_ptr, cu
     # counters: [masked tokens, pass-2 ticket]
     tl.atomic_add(counters_ptr, tl.sum(m.to(tl.int32), 0))
     if PER_SEQ:
-        seq, start, end = _token_sequence(cu_seqlens_ptr, offs, num_tokens, num_seqs, HAS_CU, SEARCH_STEPS)
+        seq, start, end = _token_sequence(cu_seqlens_ptr, offs, num_tokens, num_seqs, search_steps, HAS_CU)
         first = ((offs == start) | (lane == 0)).to(tl.int32)
         last = in_range & ((offs + 1 == end) | (lane == BLOCK - 1))
         count = m.to(tl.float32)
@@ -174,10 +178,10 @@ def _column(row, k: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, 4) == k, row, 0.0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"])
 def _token_loss_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, rollout_ptr, entropy_ptr, cu_seqlens_ptr,
                        slots_ptr, counters_ptr, prog_sums_ptr, loss_ptr, metrics_ptr, dlogp_ptr, dentropy_ptr,
-                       num_tokens, num_seqs, HAS_CU: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                       num_tokens, num_seqs, search_steps, HAS_CU: tl.constexpr,
                        PER_SEQ: tl.constexpr, ESTIMATOR: tl.constexpr, CLIP_LOW: tl.constexpr,
                        CLIP_HIGH: tl.constexpr, DUAL: tl.constexpr, CLIP_C: tl.constexpr, HAS_REF: tl.constexpr,
                        KL_TYPE: tl.constexpr, KL_COEF: tl.constexpr, HAS_ENTROPY: tl.constexpr,
@@ -192,7 +196,7 @@ def _token_loss_kernel(logp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, rollout_pt
     if PER_SEQ:
         # each token's sequence totals: one slot for a sequence inside the block; the block's first and last
         # sequence may span other blocks and are summed over their slots
-        seq, _, _ = _token_sequence(cu_seqlens_ptr, offs, num_tokens, num_seqs, HAS_CU, SEARCH_STEPS)
+        seq, _, _ = _token_sequence(cu_seqlens_ptr, offs, num_tokens, num_seqs, search_steps, HAS_CU)
         seq_first = tl.min(tl.where(in_range, seq, num_seqs), 0)
         seq_last = tl.max(tl.where(in_range, seq, 0), 0)
         totals_first = _sequence_totals(slots_ptr, cu_seqlens_ptr, seq_first, num_tokens, HAS_CU, BLOCK, SLOT_RANGE)
@@ -346,14 +350,15 @@ def policy_loss_grads_triton(logp, old_logp, advantages, mask, *, cfg: LossConfi
     tis = TIS_IDS[cfg.tis]
     tis_low, tis_high = (float(cfg.tis_clip_low), float(cfg.tis_clip)) if tis else (0.0, 0.0)
     gspo = cfg.estimator == "gspo"
-    shape = dict(HAS_CU=cu_seqlens is not None, SEARCH_STEPS=num_seqs.bit_length(),
+    shape = dict(HAS_CU=cu_seqlens is not None,
                  PER_SEQ=gspo or cfg.agg == "seq-mean-token-mean", TIS=tis, TIS_LOW=tis_low,
                  TIS_HIGH=tis_high, BLOCK=block, num_warps=num_warps)
+    search_steps = num_seqs.bit_length()
     _sequence_stats_kernel[(num_blocks,)](logp, old_logp, advantages, mask, rollout, cu, slots, counters, num_tokens,
-                                          num_seqs, GSPO=gspo, **shape)
+                                          num_seqs, search_steps, GSPO=gspo, **shape)
     _token_loss_kernel[(num_blocks,)](
         logp, old_logp, advantages, mask, ref, rollout, ent, cu, slots, counters, prog_sums, loss, metrics, dlogp,
-        dentropy, num_tokens, num_seqs, ESTIMATOR=ESTIMATOR_IDS[cfg.estimator], CLIP_LOW=1.0 - cfg.eps_clip,
+        dentropy, num_tokens, num_seqs, search_steps, ESTIMATOR=ESTIMATOR_IDS[cfg.estimator], CLIP_LOW=1.0 - cfg.eps_clip,
         CLIP_HIGH=1.0 + cfg.eps_clip_high, DUAL=cfg.eps_clip_c is not None, CLIP_C=float(cfg.eps_clip_c or 0.0),
         HAS_REF=ref_logp is not None, KL_TYPE=KL_TYPE_IDS[cfg.kl_type], KL_COEF=float(cfg.kl_coef),
         HAS_ENTROPY=entropy is not None, ENTROPY_COEF=float(cfg.entropy_coef), AGG=AGG_IDS[cfg.agg],
