@@ -155,7 +155,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--completion-len", type=int, default=2048)
     ap.add_argument("--loss-type", default="dapo", choices=("grpo", "dapo", "bnpo", "dr_grpo"))
-    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                    help="TRL's default checkpoints the decoder layers, leaving the LM head and loss to dominate")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU: checks the script")
