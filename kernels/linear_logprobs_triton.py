@@ -50,10 +50,12 @@ STATS_LAUNCH = (dict(BLOCK_R=4, BLOCK_V=16, num_warps=1) if _interpreting()
 TILE_R, TILE_V = (8, 16) if _interpreting() else (32, 256)
 
 
-# The partials' column count and this block's column in them only index the per-row stores: compiled as plain
-# integers, so a batch whose plan gives, say, 16 vocab pieces (a multiple of 16: Triton's own specialization) meets
-# no fresh compilation inside an RL step (``tuning_buckets``).
-@triton.jit(do_not_specialize=["n_pieces", "piece"])
+# The partials' column count and this block's column in them only index the per-row stores, which write one value
+# per row: compiled as plain integers and pointers of any alignment, so a batch whose plan gives, say, 16 vocab pieces
+# (Triton specializes multiples of 16) or whose row count times the pieces is odd (the partials of a [5, rows,
+# pieces] buffer then start off 16-byte boundaries) meets no fresh compilation inside an RL step (issue 23).
+@triton.jit(do_not_specialize=["n_pieces", "piece"],
+            do_not_specialize_on_alignment=["m_ptr", "s_ptr", "w_ptr", "zy_ptr", "hit_ptr"])
 def _stats_kernel(z_ptr, y_ptr, col0, m_ptr, s_ptr, w_ptr, zy_ptr, hit_ptr, n_rows, n_cols, stride_z, n_pieces,
                   piece, inv_temp, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """Softmax statistics of BLOCK_R rows of an fp32 logits block ``[n_rows, n_cols]``.
