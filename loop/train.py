@@ -15,6 +15,7 @@ from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
 from redline.loop.critic import CriticWorker
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel, init_data_parallel
+from redline.loop.determinism import deterministic_algorithms
 from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.health import RunHealth
 from redline.loop.progress import RunProgress, summary
@@ -190,7 +191,8 @@ def run(config, config_path=None) -> int:
     dp = init_data_parallel(config.parallel.distributed_timeout_minutes)
     console = Console(quiet=not dp.is_main)
     try:
-        return _run(config, config_path, dp, console)
+        with deterministic_algorithms():  # same seed, same result on a CPU machine (loop/determinism.py)
+            return _run(config, config_path, dp, console)
     finally:
         dp.close()
 

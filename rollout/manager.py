@@ -106,7 +106,8 @@ class RolloutManager:
                 else:
                     dropped += 1
         leftover = leftover_early + kept[self.rollout_batch_size:]
-        kept = kept[:self.rollout_batch_size]
+        # in draw order, not completion order (thread timing): the same seed trains on the same batches
+        kept = sorted(kept[:self.rollout_batch_size], key=lambda group: group[0].group_index)
         if in_flight:
             await self.engine.pause()
             leftover += list(await asyncio.gather(*in_flight))

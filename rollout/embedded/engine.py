@@ -71,6 +71,7 @@ class EmbeddedEngine:
         self._lock = threading.Lock()  # held by every step and every weight / memory operation
         self._wake = threading.Condition()
         self._pending: list[_Job] = []
+        self._arriving: dict[asyncio.AbstractEventLoop, list[_Job]] = {}  # per caller loop, see _queue_arrivals
         self._slots: list[_Job | None] = [None] * max_batch_size
         self._paused = False
         self._stopping = False
@@ -92,19 +93,34 @@ class EmbeddedEngine:
     # ----- protocol ---------------------------------------------------------------------------------------
 
     async def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        if self._stopping:
+            raise RuntimeError("the embedded engine is shut down")
         loop = asyncio.get_running_loop()
         jobs = [self._job(i, request, loop) for i, request in enumerate(requests)]
+        arriving = self._arriving.setdefault(loop, [])
+        if not arriving:
+            loop.call_soon(self._queue_arrivals, loop)
+        arriving.extend(jobs)
+        return list(await asyncio.gather(*(j.future for j in jobs)))
+
+    def _queue_arrivals(self, loop) -> None:
+        """Queue every request that arrived in one turn of ``loop`` (one ``generate`` call per sample, all made
+        together by the rollout) at once, so the scheduler thread admits them into one prefill whatever the
+        timing of its steps. Same seed, same results: a CPU GEMM rounds a row differently with the number of
+        rows beside it, so a prefill batch that depended on thread timing would change the samples."""
+        jobs = self._arriving.pop(loop)
         with self._wake:
-            if self._stopping:
-                raise RuntimeError("the embedded engine is shut down")
             for job in jobs:
-                if self._paused or job.stop.token_budget == 0:
+                if job.future.done():  # its caller was cancelled meanwhile
+                    continue
+                if self._stopping:
+                    job.future.set_exception(RuntimeError("the embedded engine is shut down"))
+                elif self._paused or job.stop.token_budget == 0:
                     job.future.set_result(GenerateResult([], [], FinishReason.ABORT if self._paused
                                                          else FinishReason.LENGTH, self.weight_version))
                 else:
                     self._pending.append(job)
             self._wake.notify()
-        return list(await asyncio.gather(*(j.future for j in jobs)))
 
     async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
         async for bucket in iterate_buckets(buckets):
