@@ -2,9 +2,8 @@
 
 verl 0.9.1 pins transformers < 5.11, so it is not part of the test extra; install it beside the repository's
 transformers with ``pip install --no-deps verl==0.9.1 tensordict==0.10.0 omegaconf hydra-core codetiming ray``
-(kernels/README.md, "With verl"). The actor loss is verl's ``workers/utils/losses.ppo_loss`` composition (policy
-loss from the registry + entropy and KL through ``agg_loss``), written out in ``verl_actor_loss`` below with verl's
-own functions because ``ppo_loss`` itself needs the engine's nested-tensor batch.
+(kernels/README.md, "With verl"). The actor loss is verl's own ``workers/utils/losses.ppo_loss`` on an
+``ActorConfig`` and a TensorDict batch laid out as its FSDP engine hands them over (packed per-sequence log-probs).
 """
 
 import pytest
@@ -12,10 +11,12 @@ import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed (see module docstring)")
 
-from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from verl.models.transformers import monkey_patch  # noqa: E402
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits  # noqa: E402
+from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from redline.kernels import fused_linear_policy_loss  # noqa: E402
 from redline.kernels.integrations.verl import (aggregation_scale, loss_config_from_verl,  # noqa: E402
@@ -26,12 +27,13 @@ VOCAB, PROMPT, RESPONSE, BATCH = 64, 3, 6, 4
 MODES = ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
-def actor_config(**overrides):
-    options = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
-               "loss_agg_mode": "token-mean", "loss_scale_factor": None, "entropy_coeff": 0.01, "use_kl_loss": True,
-               "kl_loss_coef": 0.05, "kl_loss_type": "low_var_kl", "global_batch_info": {},
-               "policy_loss": {"loss_mode": "vanilla"}}
-    return OmegaConf.create({**options, **overrides})
+def actor_config(loss_mode="vanilla", global_batch_info=None, **overrides):
+    options = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "entropy_coeff": 0.01,
+               "use_kl_loss": True, "kl_loss_coef": 0.05, "kl_loss_type": "low_var_kl", **overrides}
+    config = ActorConfig(strategy="fsdp", ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                         policy_loss=PolicyLossConfig(loss_mode=loss_mode), **options)
+    config.global_batch_info.update(global_batch_info or {})
+    return config
 
 
 def per_token_batch(seed=0):
@@ -47,18 +49,23 @@ def per_token_batch(seed=0):
             "log_prob": base + torch.randn(BATCH, RESPONSE, generator=g) * 0.2}
 
 
-def verl_actor_loss(config, log_prob, entropy, data, rollout_is_weights=None):
-    """verl's actor loss (workers/utils/losses.ppo_loss): registered policy loss - entropy_coeff·H + kl_coef·KL."""
-    config.global_batch_info["loss_scale_factor"] = config.loss_scale_factor  # as ppo_loss sets it
-    info = config.global_batch_info
-    pg, _ = core_algos.get_policy_loss_fn(config.policy_loss.loss_mode)(
-        old_log_prob=data["old_log_prob"], log_prob=log_prob, advantages=data["advantages"],
-        response_mask=data["response_mask"], loss_agg_mode=config.loss_agg_mode, config=config,
-        rollout_is_weights=rollout_is_weights)
+def verl_actor_loss(config, log_probs, entropy, data):
+    """verl's actor loss (``ppo_loss``) of per-position model outputs ``[B, L]`` (rolled labels, as the fused
+    forward returns them): each sample's ``P + R_i`` positions packed back to back, as the engine's are."""
     mask = data["response_mask"]
-    loss = pg - config.entropy_coeff * core_algos.agg_loss(entropy, mask, config.loss_agg_mode, **info)
-    kl = core_algos.kl_penalty(log_prob, data["ref_log_prob"], config.kl_loss_type)
-    return loss + config.kl_loss_coef * core_algos.agg_loss(kl, mask, config.loss_agg_mode, **info)
+    lengths = (PROMPT + mask.sum(1)).tolist()
+    packed = {"log_probs": torch.cat([row[:n] for row, n in zip(log_probs, lengths)]),
+              "entropy": torch.cat([row[:n] for row, n in zip(entropy, lengths)])}
+    batch = TensorDict({"prompts": torch.zeros(BATCH, PROMPT, dtype=torch.long),
+                        "responses": torch.zeros(BATCH, RESPONSE, dtype=torch.long),
+                        "attention_mask": torch.cat([torch.ones(BATCH, PROMPT, dtype=torch.long), mask.long()], 1),
+                        "response_mask": mask.long(), "old_log_probs": data["old_log_prob"],
+                        "advantages": data["advantages"], "ref_log_prob": data["ref_log_prob"]},
+                       batch_size=[BATCH])
+    for name in ("dp_size", "batch_num_tokens", "global_batch_size"):
+        batch.set_non_tensor(name, 1 if name == "dp_size" else None)
+    loss, _ = ppo_loss(config, packed, batch)
+    return loss
 
 
 @pytest.mark.parametrize("weights", [False, True])
@@ -68,8 +75,7 @@ def test_registered_policy_loss_equals_verls_vanilla(mode, global_info, weights)
     data = per_token_batch()
     results = []
     for loss_mode in ("vanilla", "redline"):
-        config = actor_config(loss_agg_mode=mode, global_batch_info={**global_info, "loss_scale_factor": 5},
-                              policy_loss={"loss_mode": loss_mode})
+        config = actor_config(loss_mode, {**global_info, "loss_scale_factor": 5}, loss_agg_mode=mode)
         log_prob = data["log_prob"].clone().requires_grad_()
         loss, metrics = core_algos.get_policy_loss_fn(loss_mode)(
             old_log_prob=data["old_log_prob"], log_prob=log_prob, advantages=data["advantages"],
@@ -102,23 +108,24 @@ def grads(model):
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_actor_loss_through_the_fused_head_equals_verls(mode):
-    """One actor loss on a batch: verl's logits path with the vanilla loss, verl's loop with the redline backend
+    """One actor loss (verl's ppo_loss) on a batch: verl's logits path with the vanilla loss, the redline backend
     and loss, and the whole loss in one fused_linear_policy_loss call: the same loss and gradients (fp32)."""
     data, temperature = per_token_batch(), 0.9
     input_ids, responses = model_batch()
     config = actor_config(loss_agg_mode=mode, loss_scale_factor=RESPONSE)
 
     model = tiny_model()
-    logits = model(input_ids=input_ids).logits[:, PROMPT - 1:-1] / temperature
-    expected = verl_actor_loss(config, logprobs_from_logits(logits, responses), entropy_from_logits(logits), data)
+    logits = model(input_ids=input_ids).logits / temperature
+    rolled = torch.roll(input_ids, shifts=-1, dims=-1)
+    expected = verl_actor_loss(config, logprobs_from_logits(logits, rolled), entropy_from_logits(logits), data)
     expected.backward()
     expected_grads = grads(model)
 
     fused = tiny_model(type("FusedQwen3", (Qwen3ForCausalLM,), {}))  # verl patches the class's forward
     monkey_patch.patch_forward_with_backends(fused, use_fused_kernels=True, fused_kernels_backend="redline")
     out = fused(input_ids=input_ids, temperature=temperature, return_dict=True)
-    redline_config = actor_config(loss_agg_mode=mode, loss_scale_factor=RESPONSE, policy_loss={"loss_mode": "redline"})
-    loss = verl_actor_loss(redline_config, out.log_probs[:, PROMPT - 1:-1], out.entropy[:, PROMPT - 1:-1], data)
+    loss = verl_actor_loss(actor_config("redline", loss_agg_mode=mode, loss_scale_factor=RESPONSE), out.log_probs,
+                           out.entropy, data)
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
     for name, grad in grads(fused).items():
@@ -152,5 +159,6 @@ def test_kl_types_map(kl_type, expected):
                                                ({"kl_loss_type": "k3+"}, "kl_loss_type"),
                                                ({"loss_agg_mode": "seq-sum"}, "loss_agg_mode")])
 def test_options_without_a_redline_equivalent_are_refused_by_name(overrides, option):
-    with pytest.raises(ValueError, match=option):
-        loss_config_from_verl(actor_config(**overrides))
+    config = {"use_kl_loss": True, **overrides}  # a plain mapping: ActorConfig itself rejects an unknown agg mode
+    with pytest.raises(ValueError, match=f"{option}=.*no redline equivalent"):
+        loss_config_from_verl(config)
