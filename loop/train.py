@@ -102,11 +102,9 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
                       f"(data/skipped_records)", markup=False, soft_wrap=True)
     if config.parallel.colocate:
-        # zero-copy where the worker keeps its compute weights in flat storages laid out as the plan
         weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
                                  offload=config.sync.offload_rollout, device=device,
-                                 check_weights=config.sync.check_weights,
-                                 flat_buckets=getattr(worker, "flat_weight_buckets", None))
+                                 check_weights=config.sync.check_weights)
     else:
         weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
                                           bucket_bytes=config.sync.update_weight_buffer_size, device=device,

@@ -4,7 +4,7 @@ The plan (``redline.sync.plan.plan_for``) is made once from the model's HF-named
 buckets of at most ``--update-weight-buffer-size`` bytes, a layer's tensors never split. Every colocated push
 goes through ``redline.sync`` and is checked (``WeightSync``): into the embedded engine process by the
 pipelined protocol (persistent staging slots mapped once, the trainer packing bucket k+1 while the engine loads
-bucket k, per-bucket checksums) or zero-copy out of flat trainer storage; into the in-process embedded engine by
+bucket k, per-bucket checksums) or zero-copy out of the trainer's flat compute buffers; into the in-process embedded engine by
 direct copies compared afterwards or pack + fused load with checksums; into SGLang by one
 ``FlattenedTensorBucket`` payload per bucket (``SGLangEngine`` packs the next while the server loads the
 current), checked with the servers' ``/weights_checker`` hashes. Checks read every 16th row of a bucket by
@@ -34,6 +34,7 @@ import torch
 from redline.devices import device_scope
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
+from redline.sync.zero_copy import plan_in_place
 
 
 SAMPLED_ROW_STRIDE = 16  # the default check reads every 16th 8 KiB row of a bucket (and its last)
@@ -72,8 +73,9 @@ class WeightSync:
 
     * ``pipelined`` / ``zero-copy``: an engine in its own process (``EmbeddedEngineProcess.weight_sender``):
       ``redline.sync.protocol`` over CUDA IPC (shared memory on the CPU), staging slots mapped once; zero-copy
-      when ``flat_buckets(plan)`` returns the flat uint8 storages the trainer's compute weights live in, laid out
-      as the plan (None: they are not, pipelined then);
+      (``zero_copy``, the default) when the export's tensors live in one flat storage per dtype, as the
+      mixed-precision trainer's compute buffers do: the plan is then ranges of those storages
+      (``redline.sync.zero_copy``), mapped once by the engine, nothing packed;
     * ``direct`` / ``staged``: the in-process embedded engine (``REDLINE_IN_PROCESS_SYNC``, default direct):
       the engine copies the export itself and the result is compared, or pack + fused load with checksums
       (``redline.sync.local``);
@@ -88,7 +90,7 @@ class WeightSync:
     """
 
     def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
-                 check_weights: bool = False, flat_buckets=None):
+                 check_weights: bool = False, zero_copy: bool = True):
         self.model, self.engine, self.offload = model, engine, offload
         self.device = torch.device(device)
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
@@ -97,8 +99,10 @@ class WeightSync:
         self.timings: dict[str, float] = {}
         self.sender = self.local = self.flat = None
         if hasattr(engine, "weight_sender"):
+            in_place = plan_in_place(model.export_hf(), bucket_bytes) if zero_copy else None
+            if in_place is not None:
+                self.plan, self.flat = in_place
             self.sender = engine.weight_sender(self.plan, self.device, checksum_row_stride=self.row_stride)
-            self.flat = flat_buckets(self.plan) if flat_buckets is not None else None
             self.mode = "zero-copy" if self.flat is not None else "pipelined"
         elif hasattr(engine, "loading_weights"):
             from redline.rollout.embedded.colocated import EngineTargets

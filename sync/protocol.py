@@ -100,6 +100,12 @@ def layout_spans(layout: BucketLayout) -> list[tuple[int, int]]:
     return [(t.start_idx, t.end_idx) for t in layout.tensors]
 
 
+def _contiguous(layout: BucketLayout) -> bool:
+    """The tensors cover the bucket's bytes without gaps (every ``plan_buckets`` layout does)."""
+    return layout.tensors[0].start_idx == 0 and all(a.end_idx == b.start_idx
+                                                    for a, b in zip(layout.tensors, layout.tensors[1:]))
+
+
 class WeightSender:
     """Trainer side of the protocol for one receiver, one connection, any number of syncs.
 
@@ -182,7 +188,11 @@ class WeightSender:
         acc = self._accumulator()
         with self._aborting():
             for layout, flat in zip(self.plan.buckets, flat_buckets):
-                self.copier.checksum(flat, layout.nbytes, acc[layout.index], self.row_stride)
+                if _contiguous(layout):
+                    self.copier.checksum(flat, layout.nbytes, acc[layout.index], self.row_stride)
+                else:  # gaps (a storage's alignment padding, ``redline.sync.zero_copy``): the spans, as loaded
+                    self.copier.unpack(flat, layout.nbytes, self._spans[layout.index], [None] * len(layout.tensors),
+                                       acc[layout.index], self.row_stride)
             indices = list(range(len(flat_buckets)))
             self._send("buckets", indices=indices, slots=indices)
             unmap = [] if keep_mapped else [buffer_key(f) for f in flat_buckets]

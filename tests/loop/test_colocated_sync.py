@@ -11,11 +11,10 @@ from redline.configfile import apply_overrides
 from redline.loop.builtin import materialize
 from redline.loop.step import rl_step
 from redline.loop.train import build, shutdown
-from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE, WeightSync
+from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE
 from redline.rollout.embedded.weights import WeightLoader
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import ROW_BYTES
-from redline.sync.plan import bucketize
 from redline.sync.protocol import ChecksumMismatch
 
 from .test_train import small_config
@@ -97,30 +96,31 @@ def test_a_corrupted_bucket_fails_the_push_naming_it(tmp_path, monkeypatch, chec
 
 
 @pytest.mark.slow
-def test_zero_copy_out_of_flat_trainer_storage(tmp_path):
-    state = built(tmp_path, embedded_engine_process="true")
-    model = state.worker.model
-
-    def flat_buckets(plan):  # the export's bytes in the plan's layout, as flat trainer storage would hold them
-        flats = []
-        for layout, tensors in bucketize(plan, model.export_hf()):
-            flat = torch.empty(layout.nbytes, dtype=torch.uint8)
-            for (name, view), tensor in zip(layout.views(flat), tensors):
-                view.copy_(tensor)
-            flats.append(flat)
-        return flats
-
+def test_zero_copy_out_of_the_mixed_precision_trainers_flat_compute_buffer(tmp_path, monkeypatch):
+    """bf16 training keeps the compute weights in one flat buffer per dtype (fp32 master weights beside it): the
+    plan is ranges of that buffer, the engine copies straight out of it; a checksum that differs names the bucket."""
+    state = built(tmp_path, embedded_engine_process="true", dtype="bfloat16", offload_rollout="true")
     try:
-        state.loop.run_until_complete(state.weight_sync.close())  # one sender per engine at a time
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.5)  # the engine must end up with these values, not the checkpoint's
-        sync = WeightSync(model, state.engine, bucket_bytes=BUCKET_BYTES, offload=False, flat_buckets=flat_buckets)
-        state.weight_sync = sync
-        assert sync.mode == "zero-copy"
-        state.loop.run_until_complete(sync.push("7"))
+        sync = state.weight_sync
+        assert sync.mode == "zero-copy" and len(sync.plan.buckets) > 2
+        buffer = state.worker.model.embed_tokens.weight.untyped_storage().data_ptr()
+        assert all(f.untyped_storage().data_ptr() == buffer for f in sync.flat)  # the trainer's own storage
+        metrics = [rl_step(state, i) for i in range(2)]
         assert_engine_holds_the_trainers_weights(state)
-        assert sync.timings["perf/sync_time"] > 0
+        assert all(m[k] > 0 for m in metrics for k in TRANSITION)
+        unpack, calls = BucketCopier.unpack, []
+
+        def wrong_sum(self, flat, nbytes, spans, tensors, acc, row_stride=1):  # the sender's checksum pass
+            unpack(self, flat, nbytes, spans, tensors, acc, row_stride)
+            calls.append(nbytes)
+            if len(calls) == 2:
+                acc[0, 0] += 1
+
+        monkeypatch.setattr(BucketCopier, "unpack", wrong_sum)
+        monkeypatch.setattr(BucketCopier, "checksum", lambda self, flat, nbytes, acc, row_stride=1: wrong_sum(
+            self, flat, nbytes, [(0, nbytes)], [None], acc, row_stride))
+        with pytest.raises(ChecksumMismatch, match=r"buckets \[1\]"):
+            rl_step(state, 2)
     finally:
         shutdown(state)
 
