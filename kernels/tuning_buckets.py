@@ -35,14 +35,16 @@ def row_buckets(max_rows: int) -> list[int]:
 
 def warmup_row_counts(max_rows: int) -> list[int]:
     """Micro-batch sizes (tokens) that together meet every power-of-two bucket from 1 to ``max_rows`` in each
-    integer class it holds: per bucket ``(b/2, b]`` (capped at ``max_rows``) its largest count, the one below it
-    and the largest multiple of 16, ascending."""
+    integer class it holds: per bucket ``(b/2, b]`` (capped at ``max_rows``) its largest count, the one below it,
+    the largest multiple of 16, and 17 below the largest — with a top of ``b`` ≥ 256, neither that one nor its
+    halves, quarters, eighths and sixteenths (rounded up: the row-block counts the model's kernels derive from the
+    token count) are multiples of 16 — ascending."""
     if max_rows < 1:
         raise ValueError(f"max_tokens_per_gpu must be at least 1, got {max_rows}")
     counts = set()
     for b in row_buckets(max_rows):
         top = min(b, max_rows)
-        counts.update(n for n in (top, top - 1, top // 16 * 16) if b // 2 < n <= top)
+        counts.update(n for n in (top, top - 1, top - 17, top // 16 * 16) if b // 2 < n <= top)
     return sorted(counts)
 
 

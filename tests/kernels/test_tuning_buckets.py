@@ -35,10 +35,22 @@ def test_warmup_row_counts_meet_every_bucket_in_every_integer_class(max_rows):
 
 
 def test_warmup_row_counts_for_the_1p7b_example_budget():
-    assert warmup_row_counts(8192) == [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512,
-                                       1023, 1024, 2047, 2048, 4095, 4096, 8191, 8192]
+    assert warmup_row_counts(8192) == [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 47, 63, 64, 111, 127, 128, 239, 255, 256,
+                                       495, 511, 512, 1007, 1023, 1024, 2031, 2047, 2048, 4079, 4095, 4096, 8175,
+                                       8191, 8192]
     with pytest.raises(ValueError, match="max_tokens_per_gpu"):
         warmup_row_counts(0)
+
+
+def test_warmup_row_counts_meet_row_block_counts_off_multiples_of_16():
+    """Kernels that handle rows in blocks of 2, 4, 8, 16 (RMSNorm: 4096 elements per program) see ceil(T / k): each
+    bucket from 256 holds a count for which none of those is a multiple of 16, as its largest count does for all."""
+    counts = warmup_row_counts(8192)
+    for b in row_buckets(8192)[8:]:
+        in_bucket = [n for n in counts if b // 2 < n <= b]
+        for k in (1, 2, 4, 8, 16):
+            assert {int_class(-(-n // k)) for n in in_bucket} >= {"16k", "other"}, (b, k)
+        assert any(all(int_class(-(-n // k)) == "other" for k in (1, 2, 4, 8, 16)) for n in in_bucket), b
 
 
 def test_chunk_blocks_are_full_chunks_and_tails():
