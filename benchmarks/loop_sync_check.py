@@ -81,7 +81,10 @@ def summary(outdir: str) -> int:
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         rows = [r for r in rows if "perf/update_weights_time" in r]
         run = metrics.parent.name
-        lines += [f"## {run}", "", "| step | " + " | ".join(c.removeprefix("perf/") + " (ms)" for c in COLUMNS)
+        log = root / f"{run}.log"
+        path = next((line.strip() for line in log.read_text().splitlines() if "weight sync:" in line), "") \
+            if log.exists() else ""
+        lines += [f"## {run}", "", f"`{path}`", "", "| step | " + " | ".join(c.removeprefix("perf/") + " (ms)" for c in COLUMNS)
                   + " | sync / copy |", "| ---: |" + " ---: |" * (len(COLUMNS) + 1)]
         for r in rows:
             cells = [f"{r[c] * 1e3:.2f}" if c in r else "–" for c in COLUMNS]

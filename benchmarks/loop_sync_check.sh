@@ -2,8 +2,9 @@
 # Issue 16's colocated-sync acceptance from the loop's own metrics, in one command:
 #   benchmarks/loop_sync_check.sh OUTDIR
 # Qwen3-1.7B shape (examples/qwen3_1p7b_breakdown.toml, random weights, --backend bf16), --offload-rollout, a few
-# RL steps each: the embedded engine in its own process (the pipelined protocol), the same with --check-weights
-# (every row checked), and the in-process engine beside them (direct copies, and staged pack + load). Also one
+# RL steps each: the embedded engine in its own process (zero-copy out of the bf16 trainer's flat compute buffer,
+# the default there), the same with --check-weights (every row checked) and with the pipelined protocol
+# (REDLINE_SYNC_ZERO_COPY=0), and the in-process engine beside them (direct copies, and staged pack + load). Also one
 # contiguous device-to-device copy of the model's sync bytes, measured in the same run. Writes OUTDIR/<run>/
 # (metrics.jsonl, report.md, phase_times.png), OUTDIR/copy.json and OUTDIR/summary.md: perf/update_weights_time
 # and its phases per step, the sync phase over the copy, and the targets (sync phase <= 2x the copy, whole
@@ -27,8 +28,9 @@ train() {  # name, env assignments..., -- flags...
     > "$OUT/$name.log" 2>&1 || { echo "run $name failed; see $OUT/$name.log" >&2; tail -20 "$OUT/$name.log" >&2; exit 2; }
   grep -m1 "weight sync:" "$OUT/$name.log" || true
 }
-FLAGS=(--embedded-engine-process); train process REDLINE_IN_PROCESS_SYNC=direct
-FLAGS=(--embedded-engine-process --check-weights); train process-check-weights REDLINE_IN_PROCESS_SYNC=direct
+FLAGS=(--embedded-engine-process); train process REDLINE_SYNC_ZERO_COPY=1
+FLAGS=(--embedded-engine-process --check-weights); train process-check-weights REDLINE_SYNC_ZERO_COPY=1
+FLAGS=(--embedded-engine-process); train process-pipelined REDLINE_SYNC_ZERO_COPY=0
 FLAGS=(); train in-process-direct REDLINE_IN_PROCESS_SYNC=direct
 FLAGS=(); train in-process-staged REDLINE_IN_PROCESS_SYNC=staged
 $PY "$HERE/loop_sync_check.py" summary "$OUT"

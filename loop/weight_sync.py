@@ -34,11 +34,13 @@ import torch
 from redline.devices import device_scope
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
+from redline.sync.protocol import SyncError
 from redline.sync.zero_copy import plan_in_place
 
 
 SAMPLED_ROW_STRIDE = 16  # the default check reads every 16th 8 KiB row of a bucket (and its last)
 IN_PROCESS_ENV = "REDLINE_IN_PROCESS_SYNC"
+ZERO_COPY_ENV = "REDLINE_SYNC_ZERO_COPY"  # 0: the engine process gets the pipelined protocol even where zero-copy applies
 # the colocated transition's phases of one step, as ``WeightSync.timings`` reports them
 TRANSITION_METRICS = ("perf/release_time", "perf/resume_weights_time", "perf/sync_time", "perf/check_weights_time",
                       "perf/resume_kv_time")
@@ -73,9 +75,9 @@ class WeightSync:
 
     * ``pipelined`` / ``zero-copy``: an engine in its own process (``EmbeddedEngineProcess.weight_sender``):
       ``redline.sync.protocol`` over CUDA IPC (shared memory on the CPU), staging slots mapped once; zero-copy
-      (``zero_copy``, the default) when the export's tensors live in one flat storage per dtype, as the
-      mixed-precision trainer's compute buffers do: the plan is then ranges of those storages
-      (``redline.sync.zero_copy``), mapped once by the engine, nothing packed;
+      when the export's tensors live in one flat storage per dtype, as the mixed-precision trainer's compute
+      buffers do: the plan is then ranges of those storages (``redline.sync.zero_copy``), mapped once by the
+      engine, nothing packed (``zero_copy=False``, or None with ``REDLINE_SYNC_ZERO_COPY=0``: pipelined);
     * ``direct`` / ``staged``: the in-process embedded engine (``REDLINE_IN_PROCESS_SYNC``, default direct):
       the engine copies the export itself and the result is compared, or pack + fused load with checksums
       (``redline.sync.local``);
@@ -90,7 +92,7 @@ class WeightSync:
     """
 
     def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
-                 check_weights: bool = False, zero_copy: bool = True):
+                 check_weights: bool = False, zero_copy: bool | None = None):
         self.model, self.engine, self.offload = model, engine, offload
         self.device = torch.device(device)
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
@@ -99,6 +101,8 @@ class WeightSync:
         self.timings: dict[str, float] = {}
         self.sender = self.local = self.flat = None
         if hasattr(engine, "weight_sender"):
+            if zero_copy is None:
+                zero_copy = os.environ.get(ZERO_COPY_ENV, "1") != "0"
             in_place = plan_in_place(model.export_hf(), bucket_bytes) if zero_copy else None
             if in_place is not None:
                 self.plan, self.flat = in_place
@@ -164,7 +168,10 @@ class WeightSync:
         """Give back the staging memory and the engine process's mappings (the engine's shutdown closes its
         weight channel)."""
         if self.sender is not None:
-            self.sender.release()
+            try:
+                self.sender.release()
+            except SyncError:  # the engine process is gone: its exit unmapped everything (and a run's own error wins)
+                pass
             self.sender = None
         if self.local is not None:
             self.local.release()

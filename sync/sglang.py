@@ -3,7 +3,9 @@
 Colocated (``/update_weights_from_tensor``, ``load_format="flattened_bucket"``): feed the engine the plan's
 buckets, ``engine.update_weights(named_buckets(plan, model.export_hf()), version)``; the engine serializes each
 bucket with SGLang's own ``FlattenedTensorBucket`` + ``MultiprocessingSerializer`` into a fresh buffer
-(``redline.rollout.sglang.payload``) and handles the ≥0.5.21 begin/end session. A fresh buffer per bucket is
+(``redline.rollout.sglang.payload``), bucket k+1 while the server still loads bucket k (one request in flight),
+and handles the ≥0.5.21 begin/end session; the loop then compares the server's ``/weights_checker`` hashes with
+the sent tensors (``redline.rollout.sglang.weight_check``). A fresh buffer per bucket is
 required there: SGLang replies before its copies out of the IPC buffer have finished, so only PyTorch's IPC
 refcount (consumer stream sync before release, then ``ipc_collect``) may decide when that memory is reused
 (sync.md §2.1). With engine TP > 1, each trainer rank packs the bucket on its own GPU and the payloads are
