@@ -22,6 +22,7 @@ How TRL's options become a ``LossConfig`` (``loss_config_from_trl``; per token t
   vLLM importance sampling       TRL's own ``importance_sampling_ratio`` (any mode; already clipped or masked)
                                  multiplies the policy term, as tis="truncate" on rollout_logp = old - log(ratio)
 Refused with a ValueError naming the option: loss types sapo, vespo, luspo; entropy_coef / adaptive entropy;
+use_liger_kernel where it selects Liger's GRPO loss (TRL <= 1.12);
 top_entropy_quantile < 1; off_policy_mask_threshold; MoE router aux loss; multimodal inputs; delta <= 1 +
 epsilon_high; beta with use_bias_correction_kl.
 
@@ -109,6 +110,9 @@ def use_redline_kernels(trainer):
                       stacklevel=2)
     if not isinstance(trainer, trl.GRPOTrainer):
         raise ValueError(f"use_redline_kernels expects a trl.GRPOTrainer, got {type(trainer).__name__}")
+    if trainer.args.use_liger_kernel and hasattr(trainer, "compute_liger_loss"):  # TRL <= 1.12: Liger's GRPO loss
+        raise ValueError("GRPOConfig.use_liger_kernel=True computes the loss with Liger's GRPO loss in this TRL "
+                         f"({trl.__version__}); use it or use_redline_kernels, not both")
     if trainer.aux_loss_enabled:
         raise ValueError("GRPOConfig / model router aux loss (MoE output_router_logits) is not supported by "
                          "use_redline_kernels")
