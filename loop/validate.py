@@ -34,9 +34,9 @@ def _ranges(config) -> list[tuple[str, object, str]]:
                   ("--over-sampling-batch-size", r.over_sampling_batch_size),
                   ("--n-samples-per-eval-prompt", r.n_samples_per_eval_prompt),
                   ("--eval-max-response-len", r.eval_max_response_len),
-                  ("--rollout-max-prompt-len", d.rollout_max_prompt_len), ("--kl-horizon", a.kl_horizon),
-                  ("--save-interval", c.save_interval), ("--eval-interval", c.eval_interval)]
-    at_least_0 = [("--sft-steps", t.sft_steps), ("--lr-warmup-iters", t.lr_warmup_iters),
+                  ("--rollout-max-prompt-len", d.rollout_max_prompt_len), ("--kl-horizon", a.kl_horizon)]
+    at_least_0 = [("--save-interval", c.save_interval), ("--eval-interval", c.eval_interval),  # 0: never
+                  ("--sft-steps", t.sft_steps), ("--lr-warmup-iters", t.lr_warmup_iters),
                   ("--max-bad-steps", t.max_bad_steps), ("--rm-max-retries", r.rm_max_retries),
                   ("--rollout-temperature", r.rollout_temperature), ("--eval-temperature", r.eval_temperature),
                   ("--weight-decay", t.weight_decay), ("--clip-grad", t.clip_grad), ("--min-lr", t.min_lr),
