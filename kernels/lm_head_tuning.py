@@ -47,6 +47,8 @@ def tune(weight: torch.Tensor, shapes: dict, progress=None) -> int:
     total, text)`` is called before each."""
     generator = torch.Generator(device=weight.device).manual_seed(0)
     blocks = [(name, shape) for name, keys in shapes.items() for per_key in keys.values() for shape in per_key]
+    if not blocks:
+        return 0
     for done, (name, (rows, cols)) in enumerate(blocks):
         if progress:
             progress(done, len(blocks), f"{name} {rows}×{cols}")

@@ -71,12 +71,7 @@ def test_compile_clock_sums_tritons_compile_times_and_counts_fresh_compilations(
     assert heard == [False, True]  # a listener already installed still hears every compilation
 
 
-@pytest.mark.parametrize("steps_per_rollout", [1, 2])  # the reused-old-logp loss and the fused policy loss
-def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_was(tmp_path, steps_per_rollout):
-    """The warm-up's own path on the CPU (PyTorch kernels): every size runs the log-prob pass and a train
-    forward + backward, and afterwards the weights, gradients and optimizer state are those of a fresh trainer."""
-    from rich.console import Console
-
+def _tiny_state(tmp_path, steps_per_rollout=2, **extra):
     from redline.config import TrainConfig
     from redline.kernels import LossConfig
     from redline.loop.builtin import tiny_model
@@ -85,16 +80,26 @@ def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_w
 
     model = from_pretrained(tiny_model(tmp_path / "m"), backend="bf16", dtype=torch.float32)
     worker = TrainerWorker(model, TrainConfig(), total_steps=1, temperature=1.0, keep_reference=False)
+    config = SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=40, num_steps_per_rollout=steps_per_rollout),
+                             data=SimpleNamespace(rollout_max_prompt_len=4),
+                             rollout=SimpleNamespace(rollout_max_response_len=8), algo=SimpleNamespace(kl_coef=0.0))
+    return SimpleNamespace(worker=worker, loss_cfg=LossConfig(), config=config, kl_controller=None, **extra)
+
+
+@pytest.mark.parametrize("steps_per_rollout", [1, 2])  # the reused-old-logp loss and the fused policy loss
+def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_was(tmp_path, steps_per_rollout):
+    """The warm-up's own path on the CPU (PyTorch kernels): every size runs the log-prob pass and a train
+    forward + backward, and afterwards the weights, gradients and optimizer state are those of a fresh trainer."""
+    from rich.console import Console
+
+    state = _tiny_state(tmp_path, steps_per_rollout)
+    worker, model = state.worker, state.worker.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
     logprobs, policy_loss = worker.logprobs, worker.policy_loss
     worker.logprobs = lambda batch, **kw: calls.append(("logprobs", batch.num_tokens)) or logprobs(batch, **kw)
     worker.policy_loss = lambda batch, *a, **kw: calls.append(("loss", batch.num_tokens)) or policy_loss(batch, *a,
                                                                                                           **kw)
-    config = SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=40, num_steps_per_rollout=steps_per_rollout),
-                             data=SimpleNamespace(rollout_max_prompt_len=4),
-                             rollout=SimpleNamespace(rollout_max_response_len=8), algo=SimpleNamespace(kl_coef=0.0))
-    state = SimpleNamespace(worker=worker, loss_cfg=LossConfig(), config=config, kl_controller=None)
     assert warmup.compile_step_kernels(state, Console(quiet=True)) == len(warmup.warmup_row_counts(40))
     sizes = warmup.warmup_row_counts(40)
     assert calls == [(kind, n) for n in sizes for kind in ("logprobs", "loss")]
@@ -102,3 +107,48 @@ def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_w
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
     assert not worker.optimizer.state
+
+
+class _EngineMemory:
+    """Records the warm-up's calls on the weight sync (``--offload-rollout``)."""
+
+    offload = True
+
+    def __init__(self):
+        self.calls = []
+
+    async def release(self):
+        self.calls.append("release")
+
+    async def push(self, version):
+        self.calls.append(f"push {version}")
+
+
+def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memory_released(tmp_path, monkeypatch):
+    """The orchestration with the GPU queries answered as on an H100 (the LM-head tuning itself has nothing to do
+    at this size): the table is written where the start-up line says, the engine's memory is released around the
+    synthetic micro-batches and given back as version 0, and step 1's metrics carry the cost."""
+    import asyncio
+    import io
+
+    from rich.console import Console
+
+    from redline.kernels import tuning_table
+    from redline.loop.data_parallel import SINGLE_PROCESS
+
+    fp = tuning_table.Fingerprint(device="NVIDIA H100 80GB HBM3", capability=(9, 0), driver="570", cuda="13.0",
+                                  triton="3.6.0", torch="2.11.0", redline="0.1.0")
+    monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning_table, "current_fingerprint", lambda device: fp)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    sync = _EngineMemory()
+    state = _tiny_state(tmp_path, weight_sync=sync, dp=SINGLE_PROCESS, loop=asyncio.new_event_loop())
+    out = io.StringIO()
+    metrics = warmup.warm_up(state, Console(file=out, width=300), warmup.CompileClock())
+    state.loop.close()
+    assert sync.calls == ["release", "push 0"]
+    path = tuning_table.table_path(fp)
+    assert path.parent == tmp_path / "cache" / "autotune" and tuning_table.load(path, fp) == []
+    assert f"kernel tuning table: {path}" in out.getvalue() and "kernel warm-up:" in out.getvalue()
+    assert set(metrics) == {"perf/startup_compile_time", "perf/startup_compile_count", "perf/startup_tuned_keys"}
+    assert metrics["perf/startup_compile_time"] > 0 and metrics["perf/startup_tuned_keys"] == 0
