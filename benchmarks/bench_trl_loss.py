@@ -78,9 +78,8 @@ def make_batch(args, vocab_size: int, device):
 def run_provider(name: str, args, shape: dict, device) -> dict:
     import datasets
     import trl
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from redline.kernels.integrations.trl import use_redline_kernels
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     dtype = torch.float32 if args.tiny else torch.bfloat16
     torch.manual_seed(0)
@@ -124,11 +123,7 @@ def run_provider(name: str, args, shape: dict, device) -> dict:
            "loss": loss.item(), "lm_head_grad_norm": head.grad.float().norm().item()}
     if cuda:
         row["peak_step_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-    del trainer, model, head
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return row
+    return row  # the trainer and model go with this frame; main frees their memory before the next provider
 
 
 def write_results(out: Path, environment: dict, rows: list[dict]) -> None:
@@ -186,7 +181,8 @@ def main() -> None:
             rows.append(run_provider(name, args, shape, device))
         except torch.OutOfMemoryError as err:
             rows.append({"provider": name, "skipped": f"out of memory: {str(err).splitlines()[0]}"})
-            gc.collect()
+        gc.collect()
+        if device.type == "cuda":
             torch.cuda.empty_cache()
         write_results(out, environment, rows)  # after each provider: a crash keeps what was measured
     write_results(out, environment, rows)

@@ -13,7 +13,8 @@ def fusable_lm_head_weight(model) -> torch.Tensor:
     (a bias, logit soft-capping or a logit scale), which the fused kernels do not compute."""
     head = model.get_output_embeddings()
     if head is None or not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        raise ValueError(f"redline's fused head needs a bias-free nn.Linear output embedding, got {type(head).__name__}")
+        raise ValueError(f"redline's fused head needs a bias-free nn.Linear output embedding, "
+                         f"got {type(head).__name__}")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                  "lm_head_multiplier"):

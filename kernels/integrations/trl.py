@@ -109,7 +109,7 @@ def use_redline_kernels(trainer):
                       f"{trl.__version__}: it replaces GRPOTrainer._compute_loss, check that its loss still matches",
                       stacklevel=2)
     if not isinstance(trainer, trl.GRPOTrainer):
-        raise ValueError(f"use_redline_kernels expects a trl.GRPOTrainer, got {type(trainer).__name__}")
+        raise TypeError(f"use_redline_kernels expects a trl.GRPOTrainer, got {type(trainer).__name__}")
     if trainer.args.use_liger_kernel and hasattr(trainer, "compute_liger_loss"):  # TRL <= 1.12: Liger's GRPO loss
         raise ValueError("GRPOConfig.use_liger_kernel=True computes the loss with Liger's GRPO loss in this TRL "
                          f"({trl.__version__}); use it or use_redline_kernels, not both")
@@ -168,7 +168,7 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
         completion = ids[:, -logits_to_keep:]
         valid = attn[:, -logits_to_keep:].reshape(-1).bool()
 
-        def head(hidden, weight):
+        def head(hidden, weight, completion=completion, valid=valid):
             rows, weight, targets = _completion_rows(self, hidden, weight, completion)
             return fused_linear_logprobs(rows, weight, targets, temperature=self.temperature, mask=valid,
                                          return_entropy=compute_entropy)
@@ -236,4 +236,4 @@ def _compute_loss(self, model, inputs):
     return loss
 
 
-__all__ = ["use_redline_kernels", "loss_config_from_trl"]
+__all__ = ["loss_config_from_trl", "use_redline_kernels"]

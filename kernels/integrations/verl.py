@@ -112,7 +112,7 @@ def compute_policy_loss_redline(old_log_prob, log_prob, advantages, response_mas
     loss: verl's vanilla PPO policy term with its dual clip, aggregation and rollout-correction weights."""
     if config is None:
         raise ValueError("policy loss 'redline' needs the actor config (clip_ratio_*, loss_agg_mode)")
-    batch, length = log_prob.shape
+    length = log_prob.shape[1]
     info = _option(config, "global_batch_info", None) or {}
     cfg = loss_config_from_verl(config, loss_agg_mode=loss_agg_mode, response_length=length, kl=False, entropy=False)
     if cfg.agg_constant is not None and loss_agg_mode != "token-sum":  # agg_loss reads the factor from the batch info
@@ -179,7 +179,8 @@ def register() -> None:
             return original(model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend)
         fusable_lm_head_weight(model)  # refuse an unsupported head at model build time
         if getattr(model.config, "vision_config", None) is not None:
-            raise ValueError(f"fused_kernels_backend='redline' supports text-only models, got {model.config.model_type}")
+            raise ValueError(f"fused_kernels_backend='redline' supports text-only models, "
+                             f"got {model.config.model_type}")
         model._verl_fused_kernels_backend = BACKEND
         model.__class__.forward = forward_with_redline_backend
 
@@ -187,5 +188,10 @@ def register() -> None:
     monkey_patch.patch_forward_with_backends = patch_forward_with_backends
 
 
-__all__ = ["register", "loss_config_from_verl", "compute_policy_loss_redline", "forward_with_redline_backend",
-           "aggregation_scale"]
+__all__ = [
+    "aggregation_scale",
+    "compute_policy_loss_redline",
+    "forward_with_redline_backend",
+    "loss_config_from_verl",
+    "register",
+]

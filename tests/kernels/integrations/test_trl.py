@@ -8,10 +8,9 @@ import torch
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[trl]')")
 datasets = pytest.importorskip("datasets", reason="datasets (a TRL dependency) is not installed")
 
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
-from redline.kernels.integrations.trl import loss_config_from_trl, use_redline_kernels  # noqa: E402
+from redline.kernels.integrations.trl import loss_config_from_trl, use_redline_kernels
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 64
 PROMPT, COMPLETION, BATCH = 3, 6, 4
@@ -79,7 +78,7 @@ def assert_same_step(options, inputs, *, use_vllm=False, model=None):
     loss, grads = loss_and_grads(trainer, inputs)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
     for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     assert any(g.abs().sum() > 0 for g in grads.values())
 
 
@@ -125,7 +124,7 @@ def test_one_training_step_matches_end_to_end():
     assert switched.state.log_history[0]["loss"] == pytest.approx(plain.state.log_history[0]["loss"], rel=1e-5,
                                                                   abs=1e-7)
     for (name, p), q in zip(plain.model.named_parameters(), switched.model.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     assert any(not torch.equal(p, q) for p, q in zip(plain.model.parameters(), tiny_model().parameters()))
 
 

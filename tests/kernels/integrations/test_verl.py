@@ -11,16 +11,14 @@ import torch
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed (see module docstring)")
 
-from tensordict import TensorDict  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-from verl.models.transformers import monkey_patch  # noqa: E402
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits  # noqa: E402
-from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
-
-from redline.kernels import fused_linear_policy_loss  # noqa: E402
-from redline.kernels.integrations.verl import (aggregation_scale, loss_config_from_verl,  # noqa: E402
-                                               register)
+from redline.kernels import fused_linear_policy_loss
+from redline.kernels.integrations.verl import aggregation_scale, loss_config_from_verl, register
+from tensordict import TensorDict
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from verl.models.transformers import monkey_patch
+from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+from verl.workers.utils.losses import ppo_loss
 
 register()
 VOCAB, PROMPT, RESPONSE, BATCH = 64, 3, 6, 4
@@ -129,7 +127,8 @@ def test_actor_loss_through_the_fused_head_equals_verls(mode):
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
     for name, grad in grads(fused).items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
     one_call = tiny_model()
     hidden = one_call.model(input_ids=input_ids).last_hidden_state[:, PROMPT - 1:-1]
@@ -146,7 +145,8 @@ def test_actor_loss_through_the_fused_head_equals_verls(mode):
     (loss * scale).backward()
     torch.testing.assert_close(loss * scale, expected, rtol=1e-5, atol=1e-7)
     for name, grad in grads(one_call).items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("kl_type, expected", [("k3", "low_var_kl"), ("low_var_kl", "low_var_kl"), ("kl", "k1"),
