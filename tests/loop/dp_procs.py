@@ -18,3 +18,47 @@ def exchange_worker(rank, store, results):
         results[rank] = (pool, {k: {i: v.tolist() for i, v in d.items()} for k, d in pool_values.items()})
     finally:
         dist.destroy_process_group()
+
+
+def warmup_tuning_worker(rank, store, cache_dir, results):
+    """Two gloo ranks run the warm-up's LM-head tuning with the GPU parts stood in for: ``results[rank]`` gets
+    ``(keys this rank timed, the autotuner cache it held when it compiled, its metrics)``."""
+    import os
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from redline.kernels import lm_head_tuning, tuning_table
+    from redline.loop import warmup
+
+    os.environ["REDLINE_CACHE_DIR"] = cache_dir
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        fp = tuning_table.Fingerprint(device="NVIDIA H100 80GB HBM3", capability=(9, 0), driver="570",
+                                      cuda="13.0", triton="3.6.0", torch="2.11.0", redline="0.1.0")
+        kernel = lm_head_tuning.AUTOTUNED["gemm_dz"]
+        kernel.cache.clear()
+        timed, seen = [], []
+        key = (32768, 8192, 2048, "torch.int64", "torch.float32")
+
+        def tune(weight, shapes, progress=None):  # what the autotuner does on a GPU: time unknown keys, compile
+            seen.append(dict(kernel.cache))
+            if key not in kernel.cache:
+                timed.append(key)
+                kernel.cache[key] = kernel.configs[0]
+            return 1
+
+        tuning_table.current_fingerprint = lambda device: fp
+        torch.cuda.get_device_capability = lambda device=None: (9, 0)
+        lm_head_tuning.reachable = lambda *args: {"gemm_dz": {(32768, 8192): [(18550, 4480)]}}
+        lm_head_tuning.tune = tune
+        model = SimpleNamespace(lm_head_weight=lambda: torch.zeros(8, 4))
+        config = SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=32768),
+                                 data=SimpleNamespace(rollout_max_prompt_len=None),
+                                 rollout=SimpleNamespace(rollout_max_response_len=8))
+        state = SimpleNamespace(worker=SimpleNamespace(model=model), dp=DataParallel(rank=rank, world=2),
+                                config=config)
+        metrics = warmup.tune_lm_head(state, Console(quiet=True))
+        results[rank] = (timed, [{str(k): str(v) for k, v in c.items()} for c in seen], metrics)
+    finally:
+        dist.destroy_process_group()

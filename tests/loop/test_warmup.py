@@ -136,8 +136,7 @@ def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memo
     from redline.kernels import tuning_table
     from redline.loop.data_parallel import SINGLE_PROCESS
 
-    fp = tuning_table.Fingerprint(device="NVIDIA H100 80GB HBM3", capability=(9, 0), driver="570", cuda="13.0",
-                                  triton="3.6.0", torch="2.11.0", redline="0.1.0")
+    fp = _fingerprint()
     monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(tuning_table, "current_fingerprint", lambda device: fp)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -152,3 +151,31 @@ def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memo
     assert f"kernel tuning table: {path}" in out.getvalue() and "kernel warm-up:" in out.getvalue()
     assert set(metrics) == {"perf/startup_compile_time", "perf/startup_compile_count", "perf/startup_tuned_keys"}
     assert metrics["perf/startup_compile_time"] > 0 and metrics["perf/startup_tuned_keys"] == 0
+
+
+def test_rank_0_tunes_and_the_other_ranks_compile_its_choices_without_timing(tmp_path):
+    """Data parallelism: rank 0 times the key and writes the table; rank 1 holds rank 0's choice before it compiles,
+    so it times nothing and runs the same config."""
+    import torch.multiprocessing as mp
+
+    from redline.kernels import tuning_table
+    from tests.loop.dp_procs import warmup_tuning_worker  # importable by the spawned ranks
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(warmup_tuning_worker, args=(str(tmp_path / "store"), str(tmp_path / "cache"), results), nprocs=2,
+                 join=True)
+        results = dict(results)
+    (timed0, seen0, metrics0), (timed1, seen1, metrics1) = results[0], results[1]
+    assert len(timed0) == 1 and timed1 == []
+    assert seen0 == [{}] and len(seen1) == 1 and list(seen1[0]) == [str(tuple(timed0[0]))]
+    assert metrics0 == metrics1 == {"perf/startup_tuned_keys": 1.0}
+    tables = list((tmp_path / "cache" / "autotune").iterdir())
+    assert len(tables) == 1 and len(tuning_table.load(tables[0], _fingerprint())) == 1
+
+
+def _fingerprint():
+    from redline.kernels import tuning_table
+
+    return tuning_table.Fingerprint(device="NVIDIA H100 80GB HBM3", capability=(9, 0), driver="570", cuda="13.0",
+                                    triton="3.6.0", torch="2.11.0", redline="0.1.0")
