@@ -1,10 +1,13 @@
-"""A spawned child that dies with its parent: a SIGKILLed launcher leaves no engine process holding memory.
+"""A spawned child whose life its parent owns: a SIGKILLed launcher leaves no engine process holding memory, and
+a Ctrl-C at the terminal (sent to the whole process group) is left to the launcher, which stops the child at its
+own safe point.
 
-``die_with_parent()`` is called first thing in the child. On Linux the kernel sends the child SIGKILL when its
-parent dies (``prctl(PR_SET_PDEATHSIG)``; strictly, when the parent *thread* that started it ends, so start
-such children from a thread that lives as long as they do, as ``redline train`` does from its main thread).
-Everywhere, a daemon thread also waits on the pipe the parent holds for ``multiprocessing`` (its end closes
-when the parent dies, however it dies) and exits the child then: the fallback off Linux, or if the prctl fails.
+``die_with_parent()`` is called first thing in the child; it ignores SIGINT from then on. On Linux the kernel
+sends the child SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``; strictly, when the parent *thread*
+that started it ends, so start such children from a thread that lives as long as they do, as ``redline train``
+does from its main thread). Everywhere, a daemon thread also waits on the pipe the parent holds for
+``multiprocessing`` (its end closes when the parent dies, however it dies) and exits the child then: the
+fallback off Linux, or if the prctl fails.
 """
 
 import ctypes
@@ -20,10 +23,11 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent() -> None:
-    """In a ``multiprocessing`` child: end this process when its parent process ends."""
+    """In a ``multiprocessing`` child: end this process when its parent process ends; ignore SIGINT."""
     parent = multiprocessing.parent_process()
     if parent is None:
         raise RuntimeError("die_with_parent() is for a multiprocessing child process")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

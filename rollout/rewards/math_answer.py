@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import re
+import signal
 
 from redline.extras import require
 
@@ -116,7 +117,9 @@ class MathGrader:
     def _worker(self):
         if self._pool is None:
             require("math_verify", "the math reward")
-            self._pool = multiprocessing.get_context("spawn").Pool(processes=1)
+            # Ctrl-C at the terminal reaches the worker too; the run stops it when it stops (close)
+            self._pool = multiprocessing.get_context("spawn").Pool(processes=1, initializer=signal.signal,
+                                                                   initargs=(signal.SIGINT, signal.SIG_IGN))
         return self._pool
 
     async def equal(self, answer: str, label: str) -> bool:

@@ -89,23 +89,26 @@ def test_a_start_that_fails_validation_leaves_no_run_folder(tmp_path):
     assert list(out.iterdir()) == []
 
 
-def test_ctrl_c_stops_after_the_step_writes_the_report_and_prints_a_resume_command(tmp_path):
+@pytest.mark.parametrize("engine", [[], ["--embedded-engine-process"]], ids=["in-process", "engine-process"])
+def test_ctrl_c_stops_after_the_step_writes_the_report_and_prints_a_resume_command(tmp_path, engine):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "redline.cli", "train", str(QUICKSTART), "--output-dir", str(out),
                "--num-rollout", "500", "--rollout-batch-size", "5", "--n-samples-per-prompt", "4",
-               "--global-batch-size", "20", "--sft-steps", "0", "--eval-interval", "1000"]
+               "--global-batch-size", "20", "--sft-steps", "0", "--eval-interval", "1000", *engine]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while not ((out / "metrics.jsonl").exists() and read_records(out / "metrics.jsonl")):
             assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
             time.sleep(0.2)
-        child.send_signal(signal.SIGINT)
+        os.killpg(child.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group, engine included
         output, _ = child.communicate(timeout=120)
     finally:
         child.kill()
     assert child.returncode == 130, output
+    assert "Traceback" not in output
     done = [r["step"] for r in records(out)]
     assert done == list(range(1, done[-1] + 1)) and done[-1] < 500
     assert (out / "report.md").is_file() and (out / "reward.png").is_file()
