@@ -2,8 +2,8 @@
 
 A folder holding a previous run (any of ``RUN_MARKERS``) is used again only by a run that resumes it (``--load``
 of a checkpoint inside it, which keeps its records up to the checkpoint's step) or with ``--overwrite``, which
-empties it once the start has validated; otherwise the start is refused. Mixing two runs in one folder would let a later ``--load``
-pick up the other run's checkpoints and TensorBoard show both.
+empties it once the start has validated; otherwise the start is refused. Mixing two runs in one folder would let
+a later ``--load`` pick up the other run's checkpoints and TensorBoard show both.
 """
 
 import shlex
