@@ -23,7 +23,7 @@ $PY "$HERE/loop_sync_check.py" copy "$OUT/model" "$OUT/copy.json"
 
 train() {  # name, env assignments..., -- flags...
   local name=$1; shift
-  env "$@" $PY -m redline.cli train "$CONFIG" --hf-checkpoint "$OUT/model" --num-rollout "$STEPS" \
+  env COLUMNS=200 "$@" $PY -m redline.cli train "$CONFIG" --hf-checkpoint "$OUT/model" --num-rollout "$STEPS" \
     --backend bf16 --offload-rollout --output-dir "$OUT/$name" ${EXTRA:-} ${FLAGS[@]+"${FLAGS[@]}"} \
     > "$OUT/$name.log" 2>&1 || { echo "run $name failed; see $OUT/$name.log" >&2; tail -20 "$OUT/$name.log" >&2; exit 2; }
   grep -m1 "weight sync:" "$OUT/$name.log" || true
