@@ -106,9 +106,8 @@ def tune_lm_head(state, console) -> dict[str, float]:
         loaded = tuning_table.apply(lm_head_tuning.AUTOTUNED, tuning_table.load(path, fp))
         console.print(f"kernel tuning table: {path} ({loaded} choices loaded; {blocks} LM-head GEMM shapes to "
                       f"check)", highlight=False)
-        with console.status("") as status:
-            lm_head_tuning.tune(weight, shapes, lambda done, total, text: status.update(
-                f"tuning LM-head GEMMs: shape {done + 1}/{total} ({text})"))
+        lm_head_tuning.tune(weight, shapes, lambda done, total, text: state.on_phase(
+            f"kernel warm-up: tuning LM-head GEMM shape {done + 1}/{total} ({text})"))
         entries = tuning_table.harvest(lm_head_tuning.AUTOTUNED)
         tuning_table.save(path, fp, entries)
         return entries, len(entries) - loaded
@@ -120,24 +119,24 @@ def tune_lm_head(state, console) -> dict[str, float]:
     return {"perf/startup_tuned_keys": float(tuned)}
 
 
-def compile_step_kernels(state, console) -> int:
+def compile_step_kernels(state) -> int:
     """Run the step's log-prob and train calls on synthetic micro-batches of every ``warmup_row_counts`` size;
-    gradients dropped, weights untouched. Returns the number of sizes run."""
+    gradients dropped, weights untouched; each size is announced to ``state.on_phase`` (the live progress
+    display). Returns the number of sizes run."""
     worker, loss_cfg, cfg = state.worker, state.loss_cfg, state.config
     kl_coef = state.kl_controller.coef if state.kl_controller else cfg.algo.kl_coef
     reuse_old = cfg.train.num_steps_per_rollout == 1 and kl_coef == 0
     counts = warmup_row_counts(max_micro_batch_tokens(cfg))
     generator = torch.Generator().manual_seed(0)  # the run's own random streams stay untouched
     vocab = worker.model.lm_head_weight().shape[0]
-    with console.status("") as status:
-        for i, n in enumerate(counts):
-            status.update(f"compiling the step's kernels: micro-batch {i + 1}/{len(counts)} ({n} tokens)")
-            batch = synthetic_batch(n, vocab, generator, with_ref=loss_cfg.kl_coef > 0)
-            worker.logprobs(batch)
-            worker.model.train()
-            loss, _ = worker.policy_loss(batch.to(worker.device), loss_cfg, reuse_old_logp=reuse_old)
-            (loss * 0.5).backward()  # an upstream gradient other than 1, as a weighted micro-batch has
-            worker.optimizer.zero_grad(set_to_none=True)
+    for i, n in enumerate(counts):
+        state.on_phase(f"kernel warm-up: micro-batch {i + 1}/{len(counts)} ({n} tokens)")
+        batch = synthetic_batch(n, vocab, generator, with_ref=loss_cfg.kl_coef > 0)
+        worker.logprobs(batch)
+        worker.model.train()
+        loss, _ = worker.policy_loss(batch.to(worker.device), loss_cfg, reuse_old_logp=reuse_old)
+        (loss * 0.5).backward()  # an upstream gradient other than 1, as a weighted micro-batch has
+        worker.optimizer.zero_grad(set_to_none=True)
     if worker.device.type == "cuda":
         torch.cuda.synchronize(worker.device)
     return len(counts)
@@ -160,7 +159,7 @@ def warm_up(state, console, clock: CompileClock) -> dict[str, float]:
                   f"{len(warmup_row_counts(max_micro_batch_tokens(state.config)))} micro-batch sizes",
                   highlight=False)
     metrics = tune_lm_head(state, console)
-    sizes = compile_step_kernels(state, console)
+    sizes = compile_step_kernels(state)
     if offload:
         state.loop.run_until_complete(state.weight_sync.push("0"))
     paid = clock.take()

@@ -57,7 +57,7 @@ def warmup_tuning_worker(rank, store, cache_dir, results):
                                  data=SimpleNamespace(rollout_max_prompt_len=None),
                                  rollout=SimpleNamespace(rollout_max_response_len=8))
         state = SimpleNamespace(worker=SimpleNamespace(model=model), dp=DataParallel(rank=rank, world=2),
-                                config=config)
+                                config=config, on_phase=lambda name: None)
         metrics = warmup.tune_lm_head(state, Console(quiet=True))
         results[rank] = (timed, [{str(k): str(v) for k, v in c.items()} for c in seen], metrics)
     finally:

@@ -83,15 +83,14 @@ def _tiny_state(tmp_path, steps_per_rollout=2, **extra):
     config = SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=40, num_steps_per_rollout=steps_per_rollout),
                              data=SimpleNamespace(rollout_max_prompt_len=4),
                              rollout=SimpleNamespace(rollout_max_response_len=8), algo=SimpleNamespace(kl_coef=0.0))
-    return SimpleNamespace(worker=worker, loss_cfg=LossConfig(), config=config, kl_controller=None, **extra)
+    return SimpleNamespace(worker=worker, loss_cfg=LossConfig(), config=config, kl_controller=None,
+                           on_phase=lambda name: None, **extra)
 
 
 @pytest.mark.parametrize("steps_per_rollout", [1, 2])  # the reused-old-logp loss and the fused policy loss
 def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_was(tmp_path, steps_per_rollout):
     """The warm-up's own path on the CPU (PyTorch kernels): every size runs the log-prob pass and a train
     forward + backward, and afterwards the weights, gradients and optimizer state are those of a fresh trainer."""
-    from rich.console import Console
-
     state = _tiny_state(tmp_path, steps_per_rollout)
     worker, model = state.worker, state.worker.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -100,9 +99,12 @@ def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_w
     worker.logprobs = lambda batch, **kw: calls.append(("logprobs", batch.num_tokens)) or logprobs(batch, **kw)
     worker.policy_loss = lambda batch, *a, **kw: calls.append(("loss", batch.num_tokens)) or policy_loss(batch, *a,
                                                                                                           **kw)
-    assert warmup.compile_step_kernels(state, Console(quiet=True)) == len(warmup.warmup_row_counts(40))
+    phases = []
+    state.on_phase = phases.append
+    assert warmup.compile_step_kernels(state) == len(warmup.warmup_row_counts(40))
     sizes = warmup.warmup_row_counts(40)
     assert calls == [(kind, n) for n in sizes for kind in ("logprobs", "loss")]
+    assert phases[-1] == f"kernel warm-up: micro-batch {len(sizes)}/{len(sizes)} (40 tokens)"
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
