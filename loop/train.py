@@ -281,7 +281,7 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
     compile_clock, startup = None, {}
     if state.worker.device.type == "cuda" and not sft_only and warmup_enabled():  # CPU: PyTorch kernels, no Triton
         compile_clock = CompileClock().install()
-        startup = warm_up(state, console, compile_clock)
+        startup = warm_up(state, console, compile_clock, version=str(start))  # the engine's weights: start's
     for rollout_id in range(start, config.rollout.num_rollout):
         step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
         step = rollout_id + 1

@@ -142,16 +142,17 @@ def compile_step_kernels(state) -> int:
     return len(counts)
 
 
-def warm_up(state, console, clock: CompileClock) -> dict[str, float]:
+def warm_up(state, console, clock: CompileClock, version: str) -> dict[str, float]:
     """Tune and compile before the first step (CUDA only); prints a start-up line and returns the metrics step 1
     carries: ``perf/startup_compile_time`` (s, the warm-up's wall time: tuning, compilation, the synthetic
-    micro-batches), ``perf/startup_compile_count`` (kernels
-    compiled rather than loaded from Triton's cache), ``perf/startup_tuned_keys`` (autotuner keys timed now)."""
+    micro-batches), ``perf/startup_compile_count`` (kernels compiled rather than loaded from Triton's cache),
+    ``perf/startup_tuned_keys`` (autotuner keys timed now). ``version``: the weight version the engine holds
+    (``"0"``, or the resumed rollout's), republished when the warm-up gives the engine its memory back."""
     began = time.perf_counter()
     clock.take()
     # with --offload-rollout a step trains while the engine's memory is released: the warm-up does too, then gives
-    # it back through the step's own push (the same weights as version "0", the engine's initial version), which
-    # also compiles the weight sync's kernels
+    # it back through the step's own push (the same weights, the same version), which also compiles the weight
+    # sync's kernels
     offload = getattr(state.weight_sync, "offload", False)
     if offload:
         state.loop.run_until_complete(state.weight_sync.release())
@@ -161,7 +162,7 @@ def warm_up(state, console, clock: CompileClock) -> dict[str, float]:
     metrics = tune_lm_head(state, console)
     sizes = compile_step_kernels(state)
     if offload:
-        state.loop.run_until_complete(state.weight_sync.push("0"))
+        state.loop.run_until_complete(state.weight_sync.push(version))
     paid = clock.take()
     metrics.update({"perf/startup_compile_time": time.perf_counter() - began,
                     "perf/startup_compile_count": paid["perf/compile_count"]})

@@ -129,7 +129,7 @@ class _EngineMemory:
 def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memory_released(tmp_path, monkeypatch):
     """The orchestration with the GPU queries answered as on an H100 (the LM-head tuning itself has nothing to do
     at this size): the table is written where the start-up line says, the engine's memory is released around the
-    synthetic micro-batches and given back as version 0, and step 1's metrics carry the cost."""
+    synthetic micro-batches and given back at the engine's version, and step 1's metrics carry the cost."""
     import asyncio
     import io
 
@@ -145,7 +145,7 @@ def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memo
     sync = _EngineMemory()
     state = _tiny_state(tmp_path, weight_sync=sync, dp=SINGLE_PROCESS, loop=asyncio.new_event_loop())
     out = io.StringIO()
-    metrics = warmup.warm_up(state, Console(file=out, width=300), warmup.CompileClock())
+    metrics = warmup.warm_up(state, Console(file=out, width=300), warmup.CompileClock(), "0")
     state.loop.close()
     assert sync.calls == ["release", "push 0"]
     path = tuning_table.table_path(fp)
