@@ -71,11 +71,11 @@ def copy_time(model_dir: str, out: str) -> None:
 def summary(outdir: str) -> int:
     root = Path(outdir)
     copy = json.loads((root / "copy.json").read_text())
-    lines = [f"# Colocated sync in `redline train` ({copy['device_name']})", "",
-             f"Model sync bytes {copy['nbytes'] / 1e6:.1f} MB; one contiguous device-to-device copy of them "
+    intro = (f"Model sync bytes {copy['nbytes'] / 1e6:.1f} MB; one contiguous device-to-device copy of them "
              f"{copy['copy_s'] * 1e3:.3f} ms (median of 20, same run). Targets: sync phase ≤ "
              f"{SYNC_TARGET_RATIO:g}× the copy, `perf/update_weights_time` ≤ {UPDATE_TARGET_S * 1e3:g} ms "
-             "(medians of the steps after the first).", ""]
+             "(medians of the steps after the first).")
+    lines = [f"# Colocated sync in `redline train` ({copy['device_name']})", "", intro, ""]
     failed = False
     for metrics in sorted(root.glob("*/metrics.jsonl")):
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -84,8 +84,8 @@ def summary(outdir: str) -> int:
         log = root / f"{run}.log"
         path = next((line.strip() for line in log.read_text().splitlines() if "weight sync:" in line), "") \
             if log.exists() else ""
-        lines += [f"## {run}", "", f"`{path}`", "", "| step | " + " | ".join(c.removeprefix("perf/") + " (ms)" for c in COLUMNS)
-                  + " | sync / copy |", "| ---: |" + " ---: |" * (len(COLUMNS) + 1)]
+        header = "| step | " + " | ".join(c.removeprefix("perf/") + " (ms)" for c in COLUMNS) + " | sync / copy |"
+        lines += [f"## {run}", "", f"`{path}`", "", header, "| ---: |" + " ---: |" * (len(COLUMNS) + 1)]
         for r in rows:
             cells = [f"{r[c] * 1e3:.2f}" if c in r else "–" for c in COLUMNS]
             ratio = f"{r['perf/sync_time'] / copy['copy_s']:.2f}×" if "perf/sync_time" in r else "–"
@@ -95,9 +95,10 @@ def summary(outdir: str) -> int:
         sync = statistics.median(r.get("perf/sync_time", float("nan")) for r in steady)
         ok_sync, ok_update = sync <= SYNC_TARGET_RATIO * copy["copy_s"], update <= UPDATE_TARGET_S
         failed |= not (ok_sync and ok_update)
-        lines += ["", f"median after the first step: update_weights {update * 1e3:.2f} ms "
-                      f"({'met' if ok_update else 'MISSED'}), sync {sync * 1e3:.2f} ms = "
-                      f"{sync / copy['copy_s']:.2f}× the copy ({'met' if ok_sync else 'MISSED'})", ""]
+        verdict = (f"median after the first step: update_weights {update * 1e3:.2f} ms "
+                   f"({'met' if ok_update else 'MISSED'}), sync {sync * 1e3:.2f} ms = "
+                   f"{sync / copy['copy_s']:.2f}× the copy ({'met' if ok_sync else 'MISSED'})")
+        lines += ["", verdict, ""]
     text = "\n".join(lines) + "\n"
     (root / "summary.md").write_text(text)
     print(text)

@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterable
 
 import torch
-
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import ROW_BYTES, fold, new_accumulator
 from redline.sync.plan import WeightPlan, bucketize

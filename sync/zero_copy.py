@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-
 from redline.sync.plan import BucketLayout, TensorMeta, WeightPlan
 
 ALIGN_BYTES = 8  # a range starts 8-byte aligned (the checksum's words), as every parameter view of the storage does

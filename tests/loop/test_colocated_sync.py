@@ -5,8 +5,6 @@ phases are timed as ``perf/*`` metrics."""
 
 import pytest
 import torch
-from rich.console import Console
-
 from redline.configfile import apply_overrides
 from redline.loop.builtin import materialize
 from redline.loop.step import rl_step
@@ -16,6 +14,7 @@ from redline.rollout.embedded.weights import WeightLoader
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import ROW_BYTES
 from redline.sync.protocol import ChecksumMismatch
+from rich.console import Console
 
 from .test_train import small_config
 

@@ -1,7 +1,6 @@
 """report.md and phase_times.png show the colocated transition's phases in place of the phases holding them."""
 
 import pytest
-
 from redline.loop.metrics import MetricsLog, phase_segments
 
 STEP = {"perf/rollout_time": 2.0, "perf/offload_rollout_time": 0.3, "perf/logprob_time": 0.5,

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
 
-from redline.rollout.engine import SerializedBucket  # noqa: E402
-from redline.rollout.sglang import engine as sglang_engine  # noqa: E402
-from redline.rollout.sglang.engine import SGLangEngine  # noqa: E402
+from redline.rollout.engine import SerializedBucket
+from redline.rollout.sglang import engine as sglang_engine
+from redline.rollout.sglang.engine import SGLangEngine
 
 LOAD_S, PACK_S = 0.15, 0.1
 

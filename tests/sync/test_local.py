@@ -3,14 +3,13 @@ after direct copies; both name the buckets that differ."""
 
 import pytest
 import torch
-from sync_export import layer_bytes, qwen3_export
-
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import ROW_BYTES
 from redline.sync.local import LocalSender, sampled_rows
 from redline.sync.plan import plan_for
 from redline.sync.protocol import ChecksumMismatch
 from redline.sync.receiver import TargetLoader
+from sync_export import layer_bytes, qwen3_export
 
 BUCKET_BYTES = layer_bytes()  # a layer per bucket
 

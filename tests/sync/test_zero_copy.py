@@ -4,7 +4,6 @@ not laid out that way."""
 
 import pytest
 import torch
-
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import fold, new_accumulator
 from redline.sync.protocol import layout_spans
@@ -30,7 +29,7 @@ def flat_export(dtype=torch.bfloat16, fill=0.0):
 
 
 def test_ranges_of_the_storage_hold_every_tensor_at_its_place():
-    flat, named, offsets = flat_export()
+    flat, named, _ = flat_export()
     plan, ranges = plan_in_place(named, bucket_bytes=800)
     # byte ranges a [0, 200) b [256, 262) | c [384, 884) d [896, 1024) | e [1024, 3024), larger than a bucket
     assert [b.names for b in plan.buckets] == [["a", "b"], ["c", "d"], ["e"]]
