@@ -30,13 +30,11 @@ import time
 from datetime import timedelta
 
 import torch
-
 from redline.devices import device_scope
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 from redline.sync.protocol import SyncError
 from redline.sync.zero_copy import plan_in_place
-
 
 SAMPLED_ROW_STRIDE = 16  # the default check reads every 16th 8 KiB row of a bucket (and its last)
 IN_PROCESS_ENV = "REDLINE_IN_PROCESS_SYNC"
@@ -211,7 +209,12 @@ class BroadcastWeightSync:
 
     async def connect(self) -> None:
         """Build the weight-update group: this process as rank 0, the engines at the same time as 1..N."""
-        from redline.sync.broadcast import BroadcastSender, init_weight_update_group, rank_offsets, stage_group_name
+        from redline.sync.broadcast import (
+            BroadcastSender,
+            init_weight_update_group,
+            rank_offsets,
+            stage_group_name,
+        )
 
         address, port = "127.0.0.1", free_port()  # the engines run on this host
         offsets, world = rank_offsets([e.weight_group_size for e in self.engines])
