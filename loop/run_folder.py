@@ -27,8 +27,8 @@ def resumes(out: Path, load: str | None) -> bool:
         return False
     try:
         return resolve(load).resolve().is_relative_to(Path(out).resolve())
-    except (FileNotFoundError, ValueError):
-        return False  # validation names the bad --load
+    except (FileNotFoundError, ValueError) as exc:  # no checkpoint there, or one of the refused pickle format
+        raise ConfigError(str(exc)) from None
 
 
 def previous_run(out: Path, load: str | None, overwrite: bool) -> list[str]:

@@ -122,3 +122,9 @@ def test_ctrl_c_stops_after_the_step_writes_the_report_and_prints_a_resume_comma
                              env=env, timeout=240)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert [r["step"] for r in records(out)] == done + [done[-1] + 1]
+
+
+def test_a_bad_load_into_a_used_folder_names_the_load_not_the_folder(tmp_path, capsys):
+    out = used_folder(tmp_path / "run")
+    assert run(small_config(out, load=str(out / "checkpoints" / "nowhere"), **QUICK)) == 2
+    assert "no checkpoint there" in capsys.readouterr().out
