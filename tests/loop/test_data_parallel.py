@@ -31,7 +31,9 @@ def train(out, *args, ranks: int = 1):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_records(expected, actual, *, rtol=1e-5, atol=1e-6):
+def assert_same_records(expected, actual, *, rtol=1e-4, atol=1e-6):
+    """Equal up to rounding: the ranks step fp32 master shards whose clip factor divides inside the fused update,
+    where one fp32 process multiplies its gradients by the reciprocal; ulps that grow to ~1e-5 over a few steps."""
     assert [r["step"] for r in actual] == [r["step"] for r in expected]
     for want, got in zip(expected, actual):
         keys = [k for k in want if not k.startswith("perf/")]  # timings differ; everything else must not
@@ -52,7 +54,8 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.slow
 def test_two_ranks_take_the_single_process_steps(two_ranks, tmp_path):
     out, records = two_ranks
-    assert "data parallel: 2 ranks, AdamW states sharded over them (ZeRO-1)" in (out / "console.log").read_text()
+    console = " ".join((out / "console.log").read_text().split())  # the console wraps long lines
+    assert "data parallel: 2 ranks, fp32 master weights and AdamW moments sharded over them (ZeRO-1)" in console
     single = train(tmp_path, "--num-rollout", "3", "--save-hf", str(tmp_path / "hf"))
     assert len(records) == 4 and "eval/reward_mean" in records[0] and "eval/reward_mean" in records[2]
     assert_same_records(single, records)
@@ -71,7 +74,7 @@ def test_two_ranks_resume_from_a_checkpoint_on_the_same_trajectory(two_ranks, tm
     resumed = train(tmp_path, "--num-rollout", "3", "--load", str(folder), ranks=2)
     assert_same_records(records[-1:], resumed)
     # found at start-up, before any model loads (the console may wrap the message)
-    with pytest.raises(AssertionError, match=r"(?s)configuration error.*saved\s+by\s+2\s+data-parallel\s+rank"):
+    with pytest.raises(AssertionError, match=r"(?s)error:.*saved\s+by\s+2\s+data-parallel\s+rank"):
         train(tmp_path / "one", "--num-rollout", "3", "--load", str(folder))
 
 
