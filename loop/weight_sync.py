@@ -53,6 +53,15 @@ def in_process_mode() -> str:
     return mode
 
 
+def _base(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _offset(tensor: torch.Tensor) -> int:
+    """Bytes from the start of ``tensor``'s storage."""
+    return tensor.data_ptr() - _base(tensor)
+
+
 def _clock(device: torch.device) -> float:
     """Seconds, after ``device``'s queued work (each phase is charged its own GPU time)."""
     if device.type == "cuda":
@@ -104,6 +113,8 @@ class WeightSync:
             in_place = plan_in_place(model.export_hf(), bucket_bytes) if zero_copy else None
             if in_place is not None:
                 self.plan, self.flat = in_place
+                # zero-copy reads the parameters' storage as it was planned: checked at every push (cheap)
+                self._homes = [(p, _offset(p)) for p in model.parameters() if _base(p) in self._flat_bases()]
             self.sender = engine.weight_sender(self.plan, self.device, checksum_row_stride=self.row_stride)
             self.mode = "zero-copy" if self.flat is not None else "pipelined"
         elif hasattr(engine, "loading_weights"):
@@ -143,6 +154,12 @@ class WeightSync:
         if self.sender is not None:  # the engine's own process; blocks this thread, nothing else runs meanwhile
             with device_scope(self.device):
                 if self.flat is not None:
+                    bases = self._flat_bases()  # addresses, not identities: shared memory moves a CPU storage once
+                    moved = [p for p, home in self._homes if _base(p) not in bases or _offset(p) != home]
+                    if moved:
+                        raise SyncError(f"zero-copy weight sync: {len(moved)} parameter(s) no longer live in the "
+                                        "storage the plan was made over (was a parameter's .data replaced?); "
+                                        "build the WeightSync again, or pass zero_copy=False")
                     self.sender.sync_flat(self.flat)
                 else:
                     self.sender.sync(self.model.export_hf())
@@ -156,6 +173,9 @@ class WeightSync:
             if self.mode == "direct":
                 with device_scope(self.device):
                     self.local.check_copies(self.model.export_hf())
+
+    def _flat_bases(self) -> set[int]:
+        return {flat.untyped_storage().data_ptr() for flat in self.flat}
 
     async def _timed(self, metric: str, work) -> None:
         start = _clock(self.device)

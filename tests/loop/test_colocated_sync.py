@@ -13,7 +13,7 @@ from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE
 from redline.rollout.embedded.weights import WeightLoader
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import ROW_BYTES
-from redline.sync.protocol import ChecksumMismatch
+from redline.sync.protocol import ChecksumMismatch, SyncError
 from rich.console import Console
 
 from .test_train import small_config
@@ -120,6 +120,11 @@ def test_zero_copy_out_of_the_mixed_precision_trainers_flat_compute_buffer(tmp_p
             self, flat, nbytes, [(0, nbytes)], [None], acc, row_stride))
         with pytest.raises(ChecksumMismatch, match=r"buckets \[1\]"):
             rl_step(state, 2)
+        monkeypatch.undo()
+        param = next(state.worker.model.parameters())
+        param.data = param.data.clone()  # out of the planned storage: zero-copy would read stale bytes
+        with pytest.raises(SyncError, match="no longer live in the storage"):
+            state.loop.run_until_complete(sync.push("9"))
     finally:
         shutdown(state)
 
