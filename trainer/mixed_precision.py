@@ -21,6 +21,8 @@ An optimizer step (``MixedPrecisionAdamW.step`` after ``MasterWeights.reduce_and
    compute buffer so every rank holds the same compute weights.
 """
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -56,8 +58,7 @@ class FlatGroup:
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         shard = self.numel // world
         self.lo, self.hi = rank * shard, (rank + 1) * shard
-        pinned = master_device.type == "cpu" and self.device.type == "cuda"
-        self.master = torch.empty(shard, dtype=torch.float32, device=master_device, pin_memory=pinned)
+        self.master = state_buffer(shard, master_device, self.device)
         self.master.copy_(self.compute[self.lo:self.hi])
 
     @property
@@ -67,6 +68,22 @@ class FlatGroup:
     @property
     def compute_shard(self) -> torch.Tensor:
         return self.compute[self.lo:self.hi]
+
+
+def state_buffer(numel: int, where: torch.device, compute_device: torch.device) -> torch.Tensor:
+    """``[numel]`` fp32 zeros for master weights or moments on ``where``. On the host beside a GPU model they are
+    page-locked with ``cudaHostRegister``, exactly their size: torch's pinned allocator rounds every block up to a
+    power of two (up to twice the host memory: an 8B model's 98 GB of master weights and moments could take 192)."""
+    buffer = torch.zeros(numel, dtype=torch.float32, device=where)
+    if where.type == "cpu" and compute_device.type == "cuda":
+        cudart = torch.cuda.cudart()
+        pointer = buffer.data_ptr()
+        error = cudart.cudaHostRegister(pointer, numel * buffer.element_size(), 0)
+        if error != 0:
+            raise RuntimeError(f"cudaHostRegister of {numel * 4 / 2**30:.1f} GiB of optimizer state failed ({error}): "
+                               "not enough host memory to lock for --optimizer-cpu-offload?")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)  # before the memory goes back
+    return buffer
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -183,12 +200,9 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         self.master = master
         super().__init__([g.master for g in master.groups],
                          dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        pinned = master.offload and master.groups[0].device.type == "cuda"
         for g in master.groups:
-            self.state[g.master] = {
-                "step": 0,
-                "exp_avg": torch.zeros(g.master.shape, device=g.master.device, pin_memory=pinned),
-                "exp_avg_sq": torch.zeros(g.master.shape, device=g.master.device, pin_memory=pinned)}
+            self.state[g.master] = {"step": 0, **{name: state_buffer(g.master.numel(), g.master.device, g.device)
+                                                  for name in ("exp_avg", "exp_avg_sq")}}
         self._staging = None  # offload: two sets of GPU chunk buffers (master, exp_avg, exp_avg_sq), made once
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -11,15 +11,15 @@ from redline.trainer.models import from_config
 LENGTHS = (7, 5)
 
 
-def bf16_model(config_of, seed=0):
-    return from_config(config_of("qwen3"), dtype=torch.bfloat16, seed=seed)
+def bf16_model(config_of, seed=0, device="cpu"):
+    return from_config(config_of("qwen3"), dtype=torch.bfloat16, seed=seed, device=device)
 
 
-def batch(config, seed):
+def batch(config, seed, device="cpu"):
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, config.vocab_size, (sum(LENGTHS),), generator=generator)
     cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    return input_ids, cu_seqlens
+    return input_ids.to(device), cu_seqlens.to(device)
 
 
 def next_token_loss(model, input_ids, cu_seqlens):
@@ -43,9 +43,10 @@ def moved_share(before, after) -> float:
 
 
 def train(model, optimizer, config, steps, step_fn, *, same_batch=False):
+    device = next(model.parameters()).device
     for step in range(steps):
         optimizer.zero_grad()
-        next_token_loss(model, *batch(config, seed=0 if same_batch else step)).backward()
+        next_token_loss(model, *batch(config, seed=0 if same_batch else step, device=device)).backward()
         step_fn(optimizer)
 
 
@@ -125,12 +126,14 @@ def test_parameters_become_aligned_views_of_one_flat_buffer_per_dtype(config_of)
     assert group.master.dtype == torch.float32 and group.numel % mixed_precision.ALIGN == 0
 
 
-def test_offloaded_master_takes_the_same_steps_in_chunks(config_of, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_offloaded_master_takes_the_same_steps_in_chunks(config_of, monkeypatch, device):
+    """On a GPU: pinned host state streamed through two buffer sets on the copy streams."""
     monkeypatch.setattr(mixed_precision, "OFFLOAD_CHUNK", 1000)  # several chunks on a tiny model
     config = config_of("qwen3")
     results = []
     for offload in (False, True):
-        model = bf16_model(config_of)
+        model = bf16_model(config_of, device=device)
         master = MasterWeights(model, offload=offload)
         optimizer = MixedPrecisionAdamW(master, lr=1e-3)
         assert master.groups[0].master.numel() > 3 * mixed_precision.OFFLOAD_CHUNK
@@ -140,7 +143,8 @@ def test_offloaded_master_takes_the_same_steps_in_chunks(config_of, monkeypatch)
             o.step()
 
         train(model, optimizer, config, 3, step)
-        results.append(([p.detach().clone() for p in model.parameters()], master.groups[0].master.clone()))
+        assert master.groups[0].master.device.type == ("cpu" if offload else device)
+        results.append(([p.detach().clone() for p in model.parameters()], master.groups[0].master.cpu()))
     (weights, master_values), (offloaded_weights, offloaded_master) = results
     assert torch.equal(master_values, offloaded_master)
     assert all(torch.equal(a, b) for a, b in zip(weights, offloaded_weights))
