@@ -51,7 +51,7 @@ def test_run_writes_metrics_plots_report_and_tensorboard(finished_run):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU run")
 def test_cpu_run_logs_no_gpu_telemetry(finished_run):
     assert not any(key.startswith("perf/gpu") for r in records(finished_run) for key in r)
-    assert not (finished_run / "gpu_util.png").exists()
+    assert not (finished_run / "gpu_memory.png").exists()
 
 
 @pytest.mark.gpu
@@ -59,8 +59,9 @@ def test_gpu_run_logs_gpu_telemetry_per_step(finished_run):
     for r in records(finished_run)[1:]:
         assert 0 <= r["perf/gpu_util"] <= 100 and r["perf/gpu_mem_gb"] > 0, r
         assert r["perf/gpu_power_w"] > 0 and r["perf/gpu_sm_clock_mhz"] > 0, r
-    assert (finished_run / "gpu_util.png").is_file()
-    assert "![gpu_util](gpu_util.png)" in (finished_run / "report.md").read_text()
+    # memory is never zero on a GPU; utilisation can be, for this tiny model (then its plot is left out)
+    assert (finished_run / "gpu_memory.png").is_file()
+    assert "![gpu_memory](gpu_memory.png)" in (finished_run / "report.md").read_text()
 
 
 def test_one_step_per_rollout_reuses_old_logprobs_exactly(finished_run):
