@@ -15,10 +15,10 @@ An optimizer step (``MixedPrecisionAdamW.step`` after ``MasterWeights.reduce_and
    sum exact to fp32 rounding whatever the DP size, at twice the bytes of a bf16 reduce; the division by ``dp`` and
    the clip coefficient are folded into the fused AdamW's ``grad_scale`` (no extra pass);
 2. the global gradient norm from the fp32 gradients (NaN/inf → the step is skipped by the caller);
-3. one fused AdamW (``torch._fused_adamw_``) over the shard; with ``offload`` the shard streams through the GPU in
-   chunks, the host→device copy of chunk k+1 overlapping the update of chunk k;
-4. the shard rounded into the compute buffer (one copy per dtype), then (data parallel) one all-gather of the
-   compute buffer so every rank holds the same compute weights.
+3. one fused AdamW pass over the shard that also writes the rounded compute weights (``adamw_triton`` on a GPU;
+   torch's fused AdamW and a copy on the CPU); with ``offload`` the shard streams through the GPU in chunks, the
+   host→device copy of chunk k+1 overlapping the update of chunk k;
+4. (data parallel) one all-gather of the compute buffer so every rank holds the same compute weights.
 """
 
 import weakref
@@ -187,12 +187,26 @@ class MasterWeights:
                  4 * moments_per_param * shard, state_where)]
 
 
+def _update(tensors, grad: torch.Tensor, compute: torch.Tensor, step: int, scale: torch.Tensor, hyper: dict) -> None:
+    """One AdamW update of ``tensors = (master, exp_avg, exp_avg_sq)`` from ``grad / scale``, the rounded master
+    written into ``compute``: one Triton pass on a GPU (``redline.trainer.adamw_triton``); torch's fused AdamW and
+    a copy on the CPU."""
+    if compute.is_cuda:
+        from redline.trainer.adamw_triton import adamw_publish
+
+        adamw_publish(tensors[0], grad, tensors[1], tensors[2], compute, scale, step=step, **hyper)
+        return
+    torch._fused_adamw_([tensors[0]], [grad], [tensors[1]], [tensors[2]], [], [torch.tensor(float(step))],
+                        grad_scale=scale, amsgrad=False, maximize=False, **hyper)
+    compute.copy_(tensors[0])
+
+
 class MixedPrecisionAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) over a ``MasterWeights``' fp32 master shards, one fused kernel per chunk.
 
     ``step()`` divides the fp32 gradients by the ``grad_scale`` that ``MasterWeights.reduce_and_clip`` found
-    (averaging over DP and clipping) inside the fused update, then publishes the rounded master weights into the
-    model. Several optimizers may
+    (averaging over DP and clipping) inside the fused update, which also writes the rounded master weights into
+    the model. Several optimizers may
     share one ``MasterWeights`` (the SFT warm-up and the RL optimizer): each keeps its own moments."""
 
     def __init__(self, master: MasterWeights, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
@@ -211,42 +225,34 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self) -> None:
         """One update of every master shard from the fp32 gradients divided by the master's ``grad_scale`` (1
-        when no ``reduce_and_clip`` ran), then the compute weights republished."""
-        grad_scale = self.master.grad_scale
+        when no ``reduce_and_clip`` ran), writing the rounded master into the compute weights, then (data
+        parallel) the compute weights gathered."""
         options = self.param_groups[0]
         beta1, beta2 = options["betas"]
-        hyper = dict(lr=float(options["lr"]), beta1=beta1, beta2=beta2, weight_decay=options["weight_decay"],
-                     eps=options["eps"], amsgrad=False, maximize=False)
+        hyper = dict(lr=float(options["lr"]), beta1=beta1, beta2=beta2, eps=options["eps"],
+                     weight_decay=options["weight_decay"])
         for group in self.master.groups:
             state = self.state[group.master]
             state["step"] += 1
-            step = torch.full((), float(state["step"]), dtype=torch.float32, device=group.device)
-            scale = None if grad_scale is None else grad_scale.to(group.device, torch.float32)
+            scale = self.master.grad_scale
+            scale = (torch.ones((), device=group.device) if scale is None else scale).to(group.device, torch.float32)
             tensors = (group.master, state["exp_avg"], state["exp_avg_sq"])
             if self.master.offload:
-                self._streamed_update(group, tensors, step, scale, hyper)
+                self._streamed_update(group, tensors, state["step"], scale, hyper)
             else:
-                torch._fused_adamw_([tensors[0]], [group.grad_shard], [tensors[1]], [tensors[2]], [], [step],
-                                    grad_scale=scale, **hyper)
-        self.master.publish(written=self.master.offload)
+                _update(tensors, group.grad_shard, group.compute_shard, state["step"], scale, hyper)
+        self.master.publish(written=True)
 
-    def _streamed_update(self, group: FlatGroup, host: tuple, step, scale, hyper) -> None:
-        """The fused update of host-resident ``host = (master, exp_avg, exp_avg_sq)`` in chunks of
-        ``OFFLOAD_CHUNK``: each chunk copied to the GPU, updated, rounded into the compute weights and copied back.
-        Copies in and out run on their own streams with two buffer sets, so chunk k+1 arrives and chunk k-1 leaves
-        while chunk k is updated. Without CUDA the same chunked update runs in place (what the CPU tests run)."""
+    def _streamed_update(self, group: FlatGroup, host: tuple, step: int, scale, hyper) -> None:
+        """The update of host-resident ``host = (master, exp_avg, exp_avg_sq)`` in chunks of ``OFFLOAD_CHUNK``:
+        each chunk copied to the GPU, updated (writing its compute weights), copied back. Copies in and out run on
+        their own streams with two buffer sets, so chunk k+1 arrives and chunk k-1 leaves while chunk k is
+        updated. Without CUDA the same chunked update runs in place (what the CPU tests run)."""
         size = group.master.numel()
         chunks = [(a, min(a + OFFLOAD_CHUNK, size)) for a in range(0, size, OFFLOAD_CHUNK)]
-
-        def update(k: int, tensors) -> None:
-            a, b = chunks[k]
-            torch._fused_adamw_([tensors[0]], [group.grad_shard[a:b]], [tensors[1]], [tensors[2]], [],
-                                [step.clone()], grad_scale=scale, **hyper)
-            group.compute_shard[a:b].copy_(tensors[0])
-
         if group.device.type != "cuda":
-            for k, (a, b) in enumerate(chunks):
-                update(k, [t[a:b] for t in host])
+            for a, b in chunks:
+                _update([t[a:b] for t in host], group.grad_shard[a:b], group.compute_shard[a:b], step, scale, hyper)
             return
         if self._staging is None:
             length = min(OFFLOAD_CHUNK, size)
@@ -272,7 +278,7 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
                 load(k + 1)
             buffers = [t[:b - a] for t in self._staging[k % 2]]
             compute.wait_event(loaded[k % 2])
-            update(k, buffers)
+            _update(buffers, group.grad_shard[a:b], group.compute_shard[a:b], step, scale, hyper)
             updated[k % 2].record(compute)
             with torch.cuda.stream(copy_out):
                 copy_out.wait_event(updated[k % 2])

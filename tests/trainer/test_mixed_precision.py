@@ -190,3 +190,33 @@ def test_memory_rows_count_bytes_per_parameter(config_of):
     assert rows["compute weights"] == (2.0, 2 * numel)
     assert rows["master weights (fp32)"] == (4.0, 4 * numel)
     assert rows["Adam moments (fp32 × 2)"] == (8.0, 8 * numel)
+
+
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton runs on CPU tensors only under its "
+                                      "interpreter, which conftest turns on where no GPU is visible")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=INTERPRETER_ONLY),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_pass_triton_adamw_matches_torchs_fused_adamw_and_writes_the_rounded_master(device):
+    """The GPU update (``adamw_triton``; the Triton interpreter on the CPU) against torch's fused AdamW."""
+    from redline.trainer.adamw_triton import adamw_publish
+
+    generator = torch.Generator().manual_seed(0)
+    n = 5000  # two blocks, the second partial
+    master = torch.randn(n, generator=generator).to(device)
+    expected = master.clone()
+    exp_avg, exp_avg_sq = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    expected_moments = (torch.zeros(n, device=device), torch.zeros(n, device=device))
+    compute = torch.empty(n, dtype=torch.bfloat16, device=device)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.1)
+    scale = torch.tensor(3.0, device=device)
+    for step in range(1, 4):
+        grad = torch.randn(n, generator=generator).to(device)
+        adamw_publish(master, grad, exp_avg, exp_avg_sq, compute, scale, step=step, **hyper)
+        torch._fused_adamw_([expected], [grad.clone()], [expected_moments[0]], [expected_moments[1]], [],
+                            [torch.tensor(float(step), device=device)], grad_scale=scale, amsgrad=False,
+                            maximize=False, **hyper)
+    torch.testing.assert_close(master, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(exp_avg_sq, expected_moments[1], rtol=1e-6, atol=1e-12)
+    assert torch.equal(compute, master.bfloat16())
