@@ -44,10 +44,12 @@ TRANSITION_METRICS = ("perf/release_time", "perf/resume_weights_time", "perf/syn
                       "perf/resume_kv_time")
 
 
-def in_process_mode() -> str:
-    """``REDLINE_IN_PROCESS_SYNC``: ``direct`` (the default: the engine copies the export, one copy, then the
-    bytes are compared) or ``staged`` (pack + fused load, two copies, checksums in the same passes)."""
-    mode = os.environ.get(IN_PROCESS_ENV, "direct")
+def in_process_mode(device: torch.device) -> str:
+    """``REDLINE_IN_PROCESS_SYNC``: ``direct`` (the engine copies the export, one copy, then the bytes are compared)
+    or ``staged`` (pack + fused load, two copies, checksums in the same passes). Default: ``staged`` on a GPU, where
+    it measured faster (H100, Qwen3-1.7B shape: update_weights 54 ms against 102, sync 11.0 ms against 57.2;
+    ``benchmarks/results/sync/loop-sync-h100``), ``direct`` on the CPU (unmeasured there)."""
+    mode = os.environ.get(IN_PROCESS_ENV, "staged" if device.type == "cuda" else "direct")
     if mode not in ("direct", "staged"):
         raise ValueError(f"{IN_PROCESS_ENV} must be 'direct' or 'staged', got {mode!r}")
     return mode
@@ -85,7 +87,7 @@ class WeightSync:
       when the export's tensors live in one flat storage per dtype, as the mixed-precision trainer's compute
       buffers do: the plan is then ranges of those storages (``redline.sync.zero_copy``), mapped once by the
       engine, nothing packed (``zero_copy=False``, or None with ``REDLINE_SYNC_ZERO_COPY=0``: pipelined);
-    * ``direct`` / ``staged``: the in-process embedded engine (``REDLINE_IN_PROCESS_SYNC``, default direct):
+    * ``direct`` / ``staged``: the in-process embedded engine (``REDLINE_IN_PROCESS_SYNC``; default staged on a GPU):
       the engine copies the export itself and the result is compared, or pack + fused load with checksums
       (``redline.sync.local``);
     * ``sglang``: SGLang's ``/update_weights_from_tensor`` (the engine packs bucket k+1 while the server loads
@@ -121,7 +123,7 @@ class WeightSync:
             from redline.rollout.embedded.colocated import EngineTargets
             from redline.sync.local import LocalSender
 
-            self.mode = in_process_mode()
+            self.mode = in_process_mode(self.device)
             self.local = LocalSender(self.plan, EngineTargets(engine), self.device,
                                      checksum_row_stride=self.row_stride)
         else:
