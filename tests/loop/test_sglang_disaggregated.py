@@ -4,6 +4,8 @@ of its own) join the weight-update group over gloo, receive every announced buck
 hashes of what they received, which ``--check-sglang-weights`` compares with the trainer's tensors after each push.
 """
 
+import asyncio
+
 import pytest
 from rich.console import Console
 
@@ -32,8 +34,9 @@ def built(tmp_path, *urls):
     return build(config, Console(quiet=True))[0]
 
 
-def received_paths(state, url):
-    _, paths = state.loop.run_until_complete(SGLangClient(url).request("GET", "/fake/calls"))
+def received_paths(url):
+    """The fake server's calls, asked on a loop of its own (``shutdown`` closes the run's)."""
+    _, paths = asyncio.run(SGLangClient(url).request("GET", "/fake/calls"))
     return [p for p in paths if p not in ("/server_info", "/get_server_info", "/health", "/fake/calls")]
 
 
@@ -53,10 +56,10 @@ def test_two_steps_broadcast_every_bucket_into_two_attached_servers(tmp_path, mo
                 # trainer's tensors, or the step raises WeightsMismatch
                 metrics = rl_step(state, rollout_id)
                 assert metrics["perf/update_weights_time"] > 0
-            calls = {url: received_paths(state, url) for url in (first, second)}
+            calls = {url: received_paths(url) for url in (first, second)}
         finally:
             shutdown(state)
-        left = {url: received_paths(state, url)[-1] for url in (first, second)}
+        left = {url: received_paths(url)[-1] for url in (first, second)}
 
     announced = ["/update_weights_from_distributed"] * len(sync.plan.buckets)
     if session:  # >= 0.5.21 takes updates only inside a begin/end session
