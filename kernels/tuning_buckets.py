@@ -48,6 +48,24 @@ def warmup_row_counts(max_rows: int) -> list[int]:
     return sorted(counts)
 
 
+def prefill_shapes(max_prompts: int, max_width: int) -> list[tuple[int, int]]:
+    """``(prompts, width)`` batches — ``prompts`` prompts right-padded to ``width`` tokens, ``prompts`` ≤
+    ``max_prompts``, ``width`` ≤ ``max_width`` — that meet every integer-class pair ``(int_class(prompts · width),
+    int_class(width))`` any such batch reaches, the smallest batch per pair, sorted. A decoding engine's RMSNorm
+    sees its ``[prompts, width, H]`` activations as ``prompts · width`` rows in groups of ``width`` (a decode step:
+    width 1), and specializes on both counts. Every reachable pair is met with at most 16 prompts (only ``prompts``
+    mod 16 decides whether 16 divides ``prompts · width``) and 17 tokens (a width of class ``"other"`` stands in for
+    its residue mod 16, 17 for residue 1), so the search stops there."""
+    if max_prompts < 1 or max_width < 1:
+        raise ValueError(f"prefill_shapes needs at least one prompt of one token, got {max_prompts} prompts of at "
+                         f"most {max_width} tokens")
+    found: dict[tuple[str, str], tuple[int, int]] = {}
+    for width in range(1, min(max_width, 17) + 1):
+        for prompts in range(1, min(max_prompts, 16) + 1):
+            found.setdefault((int_class(prompts * width), int_class(width)), (prompts, width))
+    return sorted(found.values())
+
+
 def chunk_blocks(n_rows: int, token_chunk: int, vocab: int, vocab_chunk: int) -> set[tuple[int, int]]:
     """The ``(rows, columns)`` blocks a call over ``n_rows`` selected rows runs the GEMM on, cut into token chunks
     of ``token_chunk`` rows (the last one shorter) and vocabulary chunks of ``vocab_chunk`` columns (likewise)."""

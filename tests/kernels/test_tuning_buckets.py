@@ -4,8 +4,8 @@ brute force over every row count."""
 import pytest
 
 from redline.kernels.lm_head_plan import backward_plan, forward_plan, one_pass_plan
-from redline.kernels.tuning_buckets import (bucket, chunk_blocks, dz_tuning_shapes, int_class, row_buckets,
-                                            stats_tuning_shapes, warmup_row_counts)
+from redline.kernels.tuning_buckets import (bucket, chunk_blocks, dz_tuning_shapes, int_class, prefill_shapes,
+                                            row_buckets, stats_tuning_shapes, warmup_row_counts)
 
 
 def test_bucket_is_the_power_of_two_at_or_above():
@@ -51,6 +51,27 @@ def test_warmup_row_counts_meet_row_block_counts_off_multiples_of_16():
         for k in (1, 2, 4, 8, 16):
             assert {int_class(-(-n // k)) for n in in_bucket} >= {"16k", "other"}, (b, k)
         assert any(all(int_class(-(-n // k)) == "other" for k in (1, 2, 4, 8, 16)) for n in in_bucket), b
+
+
+@pytest.mark.parametrize("max_prompts", [1, 2, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("max_width", [1, 2, 5, 15, 16, 17, 18, 40])
+def test_prefill_shapes_meet_every_class_pair_an_engine_batch_reaches(max_prompts, max_width):
+    """Against brute force over every batch: each (rows, group) class pair of the RMSNorm over ``[prompts, width,
+    H]`` that some batch within the limits reaches, met by a batch within them, one batch per pair."""
+    shapes = prefill_shapes(max_prompts, max_width)
+    assert shapes == sorted(set(shapes))
+    assert all(1 <= p <= max_prompts and 1 <= w <= max_width for p, w in shapes)
+    met = [(int_class(p * w), int_class(w)) for p, w in shapes]
+    needed = {(int_class(p * w), int_class(w)) for p in range(1, max_prompts + 1) for w in range(1, max_width + 1)}
+    assert len(met) == len(set(met)) and set(met) == needed
+
+
+def test_prefill_shapes_for_the_1p7b_example_engine():
+    """128 rows, prompts of at most 16 tokens: the decode step's (16k, 1) among them, which a trainer micro-batch
+    (rows = group = T) never reaches."""
+    assert prefill_shapes(128, 16) == [(1, 1), (1, 2), (1, 16), (2, 1), (8, 2), (16, 1)]
+    with pytest.raises(ValueError, match="at least one prompt"):
+        prefill_shapes(0, 16)
 
 
 def test_chunk_blocks_are_full_chunks_and_tails():
