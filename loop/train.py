@@ -281,11 +281,14 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
     compile_clock, startup = None, {}
     if state.worker.device.type == "cuda" and not sft_only and warmup_enabled():  # CPU: PyTorch kernels, no Triton
         compile_clock = CompileClock().install()
+        state.on_phase = compile_clock.tracking(state.on_phase)  # a step's compilations named with their phase
         startup = warm_up(state, console, compile_clock, version=str(start))  # the engine's weights: start's
     for rollout_id in range(start, config.rollout.num_rollout):
         step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
         step = rollout_id + 1
         if compile_clock:  # what this step still paid in Triton compilation; the first also the start-up's cost
+            if stall := compile_clock.stall_report(step):
+                progress.warn(stall)
             step_metrics.update(compile_clock.take(), **startup)
             startup = {}
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:

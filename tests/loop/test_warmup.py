@@ -71,18 +71,40 @@ def test_compile_clock_sums_tritons_compile_times_and_counts_fresh_compilations(
     assert heard == [False, True]  # a listener already installed still hears every compilation
 
 
+def test_compile_clock_names_each_kernel_compiled_inside_a_step_with_its_phase(monkeypatch):
+    import triton
+
+    monkeypatch.setattr(triton.knobs.compilation, "listener", None)
+    clock = warmup.CompileClock().install()
+    told = []
+    on_phase = clock.tracking(told.append)
+    times = SimpleNamespace(ir_initialization=250_000, lowering_stages=[], store_results=0)  # 0.25 s
+    listener = triton.knobs.compilation.listener
+    on_phase("rollout")
+    listener(src=SimpleNamespace(name="_decode_kernel"), metadata={}, metadata_group={}, times=times, cache_hit=False)
+    on_phase("log-probs")
+    listener(src=SimpleNamespace(name="_stats_kernel"), metadata={}, metadata_group={}, times=times, cache_hit=True)
+    listener(src=SimpleNamespace(name="_rms_norm_fwd_kernel"), metadata={}, metadata_group={}, times=times,
+             cache_hit=False)
+    assert told == ["rollout", "log-probs"]  # the progress display still hears every phase
+    assert clock.stall_report(1) == ("step 1 compiled 2 Triton kernel(s) the warm-up did not reach: _decode_kernel in "
+                                     "rollout (0.25 s), _rms_norm_fwd_kernel in log-probs (0.25 s)")
+    clock.take()
+    assert clock.stall_report(2) is None  # a cache hit alone is no compilation
+
+
 def _tiny_state(tmp_path, steps_per_rollout=2, **extra):
     from redline.config import TrainConfig
     from redline.kernels import LossConfig
-    from redline.loop.builtin import tiny_model
     from redline.loop.worker import TrainerWorker
     from redline.trainer.models import from_pretrained
 
-    model = from_pretrained(tiny_model(tmp_path / "m"), backend="bf16", dtype=torch.float32)
+    model = from_pretrained(_tiny_model(tmp_path), backend="bf16", dtype=torch.float32)
     worker = TrainerWorker(model, TrainConfig(), total_steps=1, temperature=1.0, keep_reference=False)
     config = SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=40, num_steps_per_rollout=steps_per_rollout),
                              data=SimpleNamespace(rollout_max_prompt_len=4),
-                             rollout=SimpleNamespace(rollout_max_response_len=8), algo=SimpleNamespace(kl_coef=0.0))
+                             rollout=SimpleNamespace(rollout_max_response_len=8, rollout_batch_size=1,
+                                                     n_samples_per_prompt=8), algo=SimpleNamespace(kl_coef=0.0))
     return SimpleNamespace(worker=worker, loss_cfg=LossConfig(), config=config, kl_controller=None,
                            on_phase=lambda name: None, **extra)
 
@@ -111,6 +133,60 @@ def test_compile_step_kernels_runs_the_step_calls_and_leaves_the_trainer_as_it_w
     assert not worker.optimizer.state
 
 
+def _tiny_engine(tmp_path, **options):
+    from redline.rollout.embedded.engine import EmbeddedEngine
+
+    return EmbeddedEngine.from_pretrained(_tiny_model(tmp_path), dtype=torch.float32, **options)
+
+
+def _tiny_model(tmp_path):
+    from redline.loop.builtin import tiny_model
+
+    folder = tmp_path / "m"
+    return folder if folder.exists() else tiny_model(folder)
+
+
+class _RecordingEngine:
+    """A real engine whose ``generate`` calls are noted as ``(prompts, width, tokens asked)``."""
+
+    def __init__(self, engine, calls):
+        self.engine, self.calls = engine, calls
+
+    async def generate(self, requests):
+        widths = {len(r.input_ids) for r in requests}
+        self.calls.append((len(requests), *widths, requests[0].params.max_new_tokens))
+        return await self.engine.generate(requests)
+
+
+def test_warm_engine_generates_every_prefill_shape_through_the_engine_and_changes_no_later_sample(tmp_path):
+    """The embedded engine (on the CPU: PyTorch kernels) generates two tokens for each ``prefill_shapes`` batch of
+    the run's engine rows and prompt length; a seeded request afterwards (as every rollout request is) draws what it
+    draws on an engine that never warmed up."""
+    import asyncio
+
+    from redline.kernels.tuning_buckets import prefill_shapes
+    from redline.rollout.types import GenerateRequest, SamplingParams
+
+    warmed, fresh = (_tiny_engine(tmp_path, max_batch_size=24, max_seq_len=32) for _ in range(2))
+    calls, phases = [], []
+    config = SimpleNamespace(data=SimpleNamespace(rollout_max_prompt_len=16),
+                             rollout=SimpleNamespace(rollout_batch_size=3, n_samples_per_prompt=8,
+                                                     rollout_max_response_len=8))
+    state = SimpleNamespace(config=config, engine=_RecordingEngine(warmed, calls), loop=asyncio.new_event_loop(),
+                            on_phase=phases.append)
+    request = GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=6, ignore_eos=True, seed=7))
+    try:
+        assert warmup.warm_engine(state) == len(prefill_shapes(24, 16)) == 6
+        after, never = (state.loop.run_until_complete(e.generate([request]))[0] for e in (warmed, fresh))
+    finally:
+        for engine in (warmed, fresh):
+            state.loop.run_until_complete(engine.shutdown())
+        state.loop.close()
+    assert calls == [(prompts, width, 2) for prompts, width in prefill_shapes(24, 16)]
+    assert phases[-1] == "kernel warm-up: engine batch 6/6 (16 prompts of 1 tokens)"
+    assert len(after.output_ids) == 6 and after.output_ids == never.output_ids and after.logp == never.logp
+
+
 class _EngineMemory:
     """Records the warm-up's calls on the weight sync (``--offload-rollout``)."""
 
@@ -136,6 +212,7 @@ def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memo
     from rich.console import Console
 
     from redline.kernels import tuning_table
+    from redline.kernels.tuning_buckets import prefill_shapes
     from redline.loop.data_parallel import SINGLE_PROCESS
 
     fp = _fingerprint()
@@ -143,11 +220,15 @@ def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memo
     monkeypatch.setattr(tuning_table, "current_fingerprint", lambda device: fp)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     sync = _EngineMemory()
-    state = _tiny_state(tmp_path, weight_sync=sync, dp=SINGLE_PROCESS, loop=asyncio.new_event_loop())
+    engine = _tiny_engine(tmp_path, max_batch_size=8, max_seq_len=16)
+    state = _tiny_state(tmp_path, weight_sync=sync, dp=SINGLE_PROCESS, loop=asyncio.new_event_loop(),
+                        engine=_RecordingEngine(engine, sync.calls))
     out = io.StringIO()
     metrics = warmup.warm_up(state, Console(file=out, width=300), warmup.CompileClock(), "0")
+    state.loop.run_until_complete(engine.shutdown())
     state.loop.close()
-    assert sync.calls == ["release", "push 0"]
+    assert sync.calls[:2] == ["release", "push 0"]  # the engine generates only once its memory is back
+    assert sync.calls[2:] == [(prompts, width, 2) for prompts, width in prefill_shapes(8, 4)]
     path = tuning_table.table_path(fp)
     assert path.parent == tmp_path / "cache" / "autotune" and tuning_table.load(path, fp) == []
     assert f"kernel tuning table: {path}" in out.getvalue() and "kernel warm-up:" in out.getvalue()
