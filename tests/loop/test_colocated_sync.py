@@ -170,3 +170,20 @@ def test_an_unknown_in_process_mode_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(IN_PROCESS_ENV, "fast")
     with pytest.raises(ValueError, match=IN_PROCESS_ENV):
         built(tmp_path)
+
+
+@pytest.mark.parametrize("free,emptied", [(10 * 2**30, False), (9 * 2**29, True)])
+def test_the_trainers_cache_is_emptied_only_when_the_engine_would_not_fit(monkeypatch, free, emptied):
+    """The engine gave 4 GiB back at its release; with 10 GiB free it resumes beside the trainer's cached blocks,
+    with 4.5 GiB (less than 4 GiB + the 1 GiB headroom) they go back to the driver first."""
+    import asyncio
+
+    from redline.loop import weight_sync
+
+    calls = []
+    monkeypatch.setattr(weight_sync, "free_device_bytes", lambda device: free)
+    monkeypatch.setattr(weight_sync.torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    sync = object.__new__(weight_sync.WeightSync)
+    sync.device, sync.engine_bytes = torch.device("cuda"), 4 * 2**30
+    asyncio.run(sync._make_room())
+    assert calls == (["empty_cache"] if emptied else [])
