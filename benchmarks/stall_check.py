@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("perf/train_time", "perf/logprob_time")
 BASELINE_STEPS = range(2, 7)  # the issue's "median of steps 2–6"
 DEFAULT_ARGS = ["--backend", "bf16", "--num-rollout", "6"]
+STALL_MARK = "the warm-up did not reach"  # in the warning a step that still compiled prints (CompileClock)
 
 
 def read_steps(metrics_path: Path) -> list[dict]:
@@ -50,6 +51,11 @@ def phase_check(records: list[dict], key: str, ratio: float) -> dict:
     worst_ratio = per_step[worst] / median if median > 0 else float("inf")
     return {"per_step": per_step, "median_2_6": median, "worst_step": worst, "worst_ratio": worst_ratio,
             "ok": worst_ratio <= ratio}
+
+
+def compiled_in_steps(log_text: str) -> list[str]:
+    """A run log's warnings naming each kernel a step still compiled, with its phase (``CompileClock.stall_report``)."""
+    return [line.strip().removeprefix("WARNING ") for line in log_text.splitlines() if STALL_MARK in line]
 
 
 def run_summary(records: list[dict], wall_s: float, ratio: float) -> dict:
@@ -95,6 +101,8 @@ def markdown(summary: dict, command: list[str]) -> str:
         for key, p in run["phases"].items():
             lines.append(f"\n{key}: median of steps 2–6 {_s(p['median_2_6'])}, worst step {p['worst_step']} at "
                          f"{_x(p['worst_ratio'])} → {'ok' if p['ok'] else 'STALL'}")
+        if run.get("compiled_in_steps"):
+            lines += ["", "compiled inside steps:", *(f"- {line}" for line in run["compiled_in_steps"])]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -142,6 +150,7 @@ def main(argv=None) -> int:
             print(f"run {i} failed (exit {code}); see {out / f'run{i}.log'}", file=sys.stderr)
             return 1
         run = run_summary(read_steps(folder / "metrics.jsonl"), wall, opts.ratio)
+        run["compiled_in_steps"] = compiled_in_steps((out / f"run{i}.log").read_text(errors="replace"))
         (out / f"run{i}.json").write_text(json.dumps(run, indent=1))
     if not all((out / f"run{i}.json").exists() for i in (1, 2)):
         return 0

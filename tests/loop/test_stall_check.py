@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from stall_check import markdown, phase_check, read_steps, run_summary, summarize  # noqa: E402
+from stall_check import compiled_in_steps, markdown, phase_check, read_steps, run_summary, summarize  # noqa: E402
 
 
 def steps(train, logprob, startup=None):
@@ -53,3 +53,14 @@ def test_verdicts_need_no_stall_and_a_shorter_second_start():
     stalled = run_summary(steps([9.0] + [0.7] * 5, [0.2] * 6, startup=12.0), wall_s=150.0, ratio=1.5)
     assert not summarize([first, stalled], 1.5)["ok"]
     assert "| 1 | 9.000 s |" in markdown(summarize([first, stalled], 1.5), ["redline", "train"])
+
+
+def test_kernels_a_step_still_compiled_are_read_from_the_log_and_listed():
+    log = ("[1/6] reward 0.000 · rollout 3.26s train 1.01s\n"
+           "WARNING step 1 compiled 1 Triton kernel(s) the warm-up did not reach: _decode_kernel in rollout (0.41 s)\n"
+           "WARNING steps 1-3: every gradient is zero\n")
+    found = compiled_in_steps(log)
+    assert found == ["step 1 compiled 1 Triton kernel(s) the warm-up did not reach: _decode_kernel in rollout (0.41 s)"]
+    runs = [run_summary(steps([0.7] * 6, [0.2] * 6, startup=s), wall_s=150.0, ratio=1.5) for s in (60.0, 12.0)]
+    runs[0]["compiled_in_steps"] = found
+    assert f"- {found[0]}" in markdown(summarize(runs, 1.5), ["redline", "train"])
