@@ -262,3 +262,58 @@ def _fingerprint():
 
     return tuning_table.Fingerprint(device="NVIDIA H100 80GB HBM3", capability=(9, 0), driver="570", cuda="13.0",
                                     triton="3.6.0", torch="2.11.0", redline="0.1.0")
+
+
+class _Specializations:
+    """Stands in for a Triton kernel: notes the specialization Triton would compile each launch under (its own
+    ``native_specialize_impl`` over the arguments, with the constexprs) and runs nothing."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def __getitem__(self, grid):
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        def launch(*args, **constexprs):
+            self.seen.add((tuple(native_specialize_impl(CUDABackend, a, False, True, True) for a in args),
+                           tuple(sorted(constexprs.items()))))
+
+        return launch
+
+
+def test_warm_up_shapes_meet_every_rms_norm_specialization_of_the_1p7b_example(monkeypatch):
+    """Qwen3-1.7B's RMSNorms (hidden 2048; q/k norms of 16 and 8 heads of 128 inside the fused QKV output) as the
+    trainer runs them on ``[T, H]`` and the engine on ``[prompts, width, H]``: the trainer's warm-up sizes and the
+    engine's ``prefill_shapes`` batches (and its decode step over all 128 rows) meet every specialization the
+    step's micro-batches (any T up to 8192) and rollouts (up to 128 prompts of up to 16 tokens) meet — and the
+    trainer's sizes alone miss the engine's, which is what step 1's rollout compiled before the engine was warmed."""
+    from redline.kernels.tuning_buckets import prefill_shapes, warmup_row_counts
+    from redline.trainer.layers import rms_norm_triton
+
+    kernel = _Specializations()
+    monkeypatch.setattr(rms_norm_triton, "_rms_norm_fwd_kernel", kernel)
+    hidden, heads, kv_heads, head_dim = 2048, 16, 8, 128
+    weights = {n: torch.ones(n, dtype=torch.bfloat16) for n in (hidden, head_dim)}
+
+    def norms(*lead):
+        """The specializations of one forward's RMSNorms over tokens shaped ``lead``."""
+        kernel.seen = set()
+        rms_norm_triton.rms_norm_triton(torch.empty(*lead, hidden, dtype=torch.bfloat16), weights[hidden], 1e-6)
+        qkv = torch.empty(*lead, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+        q, k, _ = (t.unflatten(-1, (-1, head_dim)) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                        kv_heads * head_dim], dim=-1))
+        for x in (q, k):
+            rms_norm_triton.rms_norm_triton(x, weights[head_dim], 1e-6)
+        return kernel.seen
+
+    def union(shapes):
+        return set().union(*(norms(*lead) for lead in shapes))
+
+    trainer = union((t,) for t in warmup_row_counts(8192))
+    engine = union([*((p, w) for p, w in prefill_shapes(128, 16)), (128, 1)])
+    step = union((t,) for t in range(1, 8193))
+    rollout = union([*((p, w) for p in range(1, 129) for w in range(1, 17))])
+    assert step <= trainer
+    assert rollout <= trainer | engine
+    assert not rollout <= trainer
