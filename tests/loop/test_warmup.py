@@ -265,10 +265,15 @@ def _fingerprint():
 
 
 class _Specializations:
-    """Stands in for a Triton kernel: notes the specialization Triton would compile each launch under (its own
-    ``native_specialize_impl`` over the arguments, with the constexprs) and runs nothing."""
+    """Stands in for the Triton kernel ``kernel``: notes the specialization Triton would compile each launch under
+    (its own ``native_specialize_impl`` over the arguments, honouring the kernel's ``do_not_specialize`` lists, with
+    the constexprs) and runs nothing."""
 
-    def __init__(self):
+    def __init__(self, kernel):
+        options = kernel.kwargs  # the decorator's, kept by the interpreter's stand-in
+        self.plain = set(options.get("do_not_specialize") or ())
+        self.any_alignment = set(options.get("do_not_specialize_on_alignment") or ())
+        self.names = kernel.arg_names
         self.seen = set()
 
     def __getitem__(self, grid):
@@ -276,8 +281,9 @@ class _Specializations:
         from triton.backends.nvidia.compiler import CUDABackend
 
         def launch(*args, **constexprs):
-            self.seen.add((tuple(native_specialize_impl(CUDABackend, a, False, True, True) for a in args),
-                           tuple(sorted(constexprs.items()))))
+            self.seen.add((tuple(native_specialize_impl(CUDABackend, a, False, name not in self.plain,
+                                                        name not in self.any_alignment)
+                                 for name, a in zip(self.names, args)), tuple(sorted(constexprs.items()))))
 
         return launch
 
@@ -291,7 +297,7 @@ def test_warm_up_shapes_meet_every_rms_norm_specialization_of_the_1p7b_example(m
     from redline.kernels.tuning_buckets import prefill_shapes, warmup_row_counts
     from redline.trainer.layers import rms_norm_triton
 
-    kernel = _Specializations()
+    kernel = _Specializations(rms_norm_triton._rms_norm_fwd_kernel)
     monkeypatch.setattr(rms_norm_triton, "_rms_norm_fwd_kernel", kernel)
     hidden, heads, kv_heads, head_dim = 2048, 16, 8, 128
     weights = {n: torch.ones(n, dtype=torch.bfloat16) for n in (hidden, head_dim)}
@@ -317,3 +323,41 @@ def test_warm_up_shapes_meet_every_rms_norm_specialization_of_the_1p7b_example(m
     assert step <= trainer
     assert rollout <= trainer | engine
     assert not rollout <= trainer
+
+
+def test_warm_up_batches_meet_every_log_prob_statistics_specialization_of_the_1p7b_example(monkeypatch):
+    """The no-grad log-prob pass at Qwen3-1.7B's head (V = 151936, H = 2048; the GPU's chunk alignment and launch):
+    the warm-up's synthetic micro-batches meet every ``_stats_kernel`` specialization that the example's own
+    log-prob micro-batches (62 and 4 samples of a 4-token prompt and 128 response tokens) and any selected-row count
+    up to the 8192-token budget meet. The GEMMs are skipped: only the shapes matter."""
+    from redline.kernels import linear_logprobs_triton as lp
+    from redline.kernels.tuning_buckets import warmup_row_counts
+
+    kernel = _Specializations(lp._stats_kernel)
+    monkeypatch.setattr(lp, "_stats_kernel", kernel)
+    monkeypatch.setattr(lp, "ALIGN", 256)
+    monkeypatch.setattr(lp, "STATS_LAUNCH", dict(BLOCK_R=2, BLOCK_V=1024, num_warps=4))
+    monkeypatch.setattr(lp, "_mm_into", lambda out, a, b, accumulate=False: None)
+    weight = torch.empty(151936, 2048, dtype=torch.bfloat16)
+
+    def stats(n_tokens, rows):
+        kernel.seen = set()
+        lp.forward_stats(torch.empty(n_tokens, 2048, dtype=torch.bfloat16), weight,
+                         torch.zeros(n_tokens, dtype=torch.long), rows, 1.0, 0)
+        return kernel.seen
+
+    def example_batch(samples, prompt=4, response=128):
+        """Rows in the loss of ``samples`` packed samples, as ``batching.pack`` masks them."""
+        length = prompt + response
+        rows = [s * length + i for s in range(samples) for i in range(prompt - 1, length - 1)]
+        return samples * length, torch.tensor(rows)
+
+    generator = torch.Generator().manual_seed(0)
+    warm = set()
+    for n in warmup_row_counts(8192):
+        mask = warmup.synthetic_batch(n, 10, generator, with_ref=False).loss_mask
+        warm |= stats(n, None if mask.all() else mask.nonzero().squeeze(1))
+    for samples in (62, 4):
+        assert stats(*example_batch(samples)) <= warm, samples
+    for selected in range(1, 8193, 61):
+        assert stats(selected + 1, torch.arange(selected)) <= warm, selected
