@@ -167,6 +167,8 @@ def compile_step_kernels(state) -> int:
         loss, _ = worker.policy_loss(batch.to(worker.device), loss_cfg, reuse_old_logp=reuse_old)
         (loss * 0.5).backward()  # an upstream gradient other than 1, as a weighted micro-batch has
         worker.optimizer.zero_grad(set_to_none=True)
+    if hasattr(worker.optimizer, "warm_up"):  # the mixed-precision update's kernel (the critic's is the same)
+        worker.optimizer.warm_up()
     if worker.device.type == "cuda":
         torch.cuda.synchronize(worker.device)
     return len(counts)

@@ -243,6 +243,18 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
                 _update(tensors, group.grad_shard, group.compute_shard, state["step"], scale, hyper)
         self.master.publish(written=True)
 
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Run the update once on scratch buffers of every group's device and dtype (its state untouched), so its
+        GPU kernel compiles before the first step does."""
+        options = self.param_groups[0]
+        hyper = dict(lr=0.0, beta1=options["betas"][0], beta2=options["betas"][1], eps=options["eps"],
+                     weight_decay=0.0)
+        for group in self.master.groups:
+            scratch = [torch.zeros(ALIGN, dtype=torch.float32, device=group.device) for _ in range(4)]
+            compute = torch.zeros(ALIGN, dtype=group.dtype, device=group.device)
+            _update(scratch[:3], scratch[3], compute, 1, torch.ones((), device=group.device), hyper)
+
     def _streamed_update(self, group: FlatGroup, host: tuple, step: int, scale, hyper) -> None:
         """The update of host-resident ``host = (master, exp_avg, exp_avg_sq)`` in chunks of ``OFFLOAD_CHUNK``:
         each chunk copied to the GPU, updated (writing its compute weights), copied back. Copies in and out run on

@@ -220,3 +220,14 @@ def test_one_pass_triton_adamw_matches_torchs_fused_adamw_and_writes_the_rounded
     torch.testing.assert_close(master, expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(exp_avg_sq, expected_moments[1], rtol=1e-6, atol=1e-12)
     assert torch.equal(compute, master.bfloat16())
+
+
+def test_warm_up_leaves_the_optimizer_state_untouched(config_of):
+    model = bf16_model(config_of)
+    optimizer = MixedPrecisionAdamW(MasterWeights(model), lr=1e-3)
+    before = optimizer.state_dict()
+    optimizer.warm_up()
+    after = optimizer.state_dict()
+    assert after["shards"][0]["step"] == before["shards"][0]["step"] == 0
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(after["shards"][0][key], before["shards"][0][key])
