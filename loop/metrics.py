@@ -172,7 +172,8 @@ class MetricsLog:
 
     def report(self, title: str, notes: list[str]) -> Path:
         """A short markdown summary: first/last/best of the headline metrics, timings, and the plots."""
-        lines = [f"# {title}", "", *notes, "", "| metric | first | last | min | max |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines = [f"# {title}", "", *notes, "",
+                 "| metric | first | last | min | max |", "| --- | ---: | ---: | ---: | ---: |"]
         keys = sorted({k for r in self.records for k in r if k != "step"})
         for key in keys:
             _, values = self.series(key)

@@ -4,8 +4,8 @@ The plan (``redline.sync.plan.plan_for``) is made once from the model's HF-named
 buckets of at most ``--update-weight-buffer-size`` bytes, a layer's tensors never split. Every colocated push
 goes through ``redline.sync`` and is checked (``WeightSync``): into the embedded engine process by the
 pipelined protocol (persistent staging slots mapped once, the trainer packing bucket k+1 while the engine loads
-bucket k, per-bucket checksums) or zero-copy out of the trainer's flat compute buffers; into the in-process embedded engine by
-direct copies compared afterwards or pack + fused load with checksums; into SGLang by one
+bucket k, per-bucket checksums) or zero-copy out of the trainer's flat compute buffers; into the in-process
+embedded engine by pack + fused load with checksums (on a GPU) or direct copies compared afterwards; into SGLang by one
 ``FlattenedTensorBucket`` payload per bucket (``SGLangEngine`` packs the next while the server loads the
 current), checked with the servers' ``/weights_checker`` hashes. Checks read every 16th row of a bucket by
 default and every row with ``--check-weights``; a mismatch raises, naming the buckets.
@@ -38,7 +38,8 @@ from redline.sync.zero_copy import plan_in_place
 
 SAMPLED_ROW_STRIDE = 16  # the default check reads every 16th 8 KiB row of a bucket (and its last)
 IN_PROCESS_ENV = "REDLINE_IN_PROCESS_SYNC"
-ZERO_COPY_ENV = "REDLINE_SYNC_ZERO_COPY"  # 0: the engine process gets the pipelined protocol even where zero-copy applies
+# 0: the engine process gets the pipelined protocol even where zero-copy applies
+ZERO_COPY_ENV = "REDLINE_SYNC_ZERO_COPY"
 # the colocated transition's phases of one step, as ``WeightSync.timings`` reports them
 TRANSITION_METRICS = ("perf/release_time", "perf/pause_train_time", "perf/resume_weights_time", "perf/sync_time",
                       "perf/check_weights_time", "perf/resume_kv_time")

@@ -1,9 +1,7 @@
 """A run's folder over its life: exact records on resume, partial records, reuse, failed starts, Ctrl-C."""
 
-import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
