@@ -51,8 +51,9 @@ def environment() -> dict:
                                       for name in ("trl", "accelerate", "datasets", "tokenizers")},
             "gpus": gpus()}
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                                        check=True).stdout.strip()
+        # "-dirty" when the tree differs from the commit (a copy of a working tree with an older .git, say)
+        info["commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=HERE,
+                                        capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         info["commit"] = None
     return info
