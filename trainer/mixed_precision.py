@@ -161,12 +161,6 @@ class MasterWeights:
             shard = group.compute_shard if group.device.type == "cuda" else group.compute_shard.clone()
             dist.all_gather_into_tensor(group.compute, shard, group=self.dp_group)
 
-    @torch.no_grad()
-    def refresh_from_model(self) -> None:
-        """Master weights ← the compute weights (after weights were loaded into the model from outside)."""
-        for group in self.groups:
-            group.master.copy_(group.compute_shard)
-
     def layout(self) -> dict:
         """What a saved shard depends on: the DP size and each group's dtype and flat length."""
         return {"dp": self.dp, "groups": [{"dtype": str(g.dtype).removeprefix("torch."), "numel": g.numel}
