@@ -84,23 +84,22 @@ def aggregation_scale(mode: str, mask: torch.Tensor, global_batch_info: dict):
     """``(rows, scale)`` for a ``[B, T]`` response mask: the batch rows redline aggregates over (None: all) and
     the factor from redline's normalised aggregation to verl's ``agg_loss`` with ``global_batch_info``."""
     dp_size = global_batch_info.get("dp_size", 1) or 1
+
+    def global_count(key: str, local):
+        """verl's global count ``key``, or this rank's own when it runs alone."""
+        value = global_batch_info.get(key)
+        if value is None and dp_size > 1:
+            raise ValueError(f"{key} is required when dp_size > 1")
+        return local if value is None else value
+
     if mode == "token-mean":
         tokens = mask.sum()
-        global_tokens = global_batch_info.get("batch_num_tokens")
-        if global_tokens is None:
-            if dp_size > 1:
-                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
-            global_tokens = tokens
-        return None, tokens.clamp(min=1) / global_tokens * dp_size
+        return None, tokens.clamp(min=1) / global_count("batch_num_tokens", tokens) * dp_size
     if mode == "token-sum":
         return None, mask.shape[0] * dp_size
     rows = mask.any(dim=-1)
     sequences = rows.sum()
-    global_sequences = global_batch_info.get("global_batch_size")
-    if global_sequences is None:
-        if dp_size > 1:
-            raise ValueError("global_batch_size is required when dp_size > 1")
-        global_sequences = sequences
+    global_sequences = global_count("global_batch_size", sequences)
     if sequences == 0:  # nothing to train on: every term is 0
         return None, 0.0
     return rows, sequences / global_sequences * dp_size
