@@ -17,6 +17,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable
 
+from redline.extras import MissingExtraError
 from redline.rollout.functions import load_function
 from redline.rollout.rewards.math_answer import MathGrader
 from redline.rollout.rewards.remote import RemoteRewardModel
@@ -57,16 +58,20 @@ class Reward:
 
     async def __call__(self, samples: list[Sample]) -> list[float]:
         if self._score_one is not None:
-            return list(await asyncio.gather(*(self._guarded([s], self._score_one(s)) for s in samples)))
+            scored = await asyncio.gather(*(self._guarded([s], self._score_one(s)) for s in samples))
+            return [values[0] for values in scored]
         return await self._guarded(samples, self._score_group(samples))
 
-    async def _guarded(self, samples: list[Sample], call: Awaitable) -> float | list[float]:
-        """Await one reward call for ``samples`` (one sample, or a group) and check what it returned."""
+    async def _guarded(self, samples: list[Sample], call: Awaitable) -> list[float]:
+        """Await one reward call for ``samples`` (one sample, or a group) and check what it returned: one float per
+        sample. A missing optional package (``MissingExtraError``) is not the sample's fault: it propagates as is."""
         where = _describe(samples[0]) if len(samples) == 1 else f"the group of {_describe(samples[0])}"
         try:
             result = await asyncio.wait_for(call, self.timeout)
         except TimeoutError:
             return self._failed(samples, f"took longer than --rm-timeout {self.timeout:g} s on {where}")
+        except MissingExtraError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure of user code is reported with the sample
             return self._failed(samples, f"raised {type(exc).__name__}: {exc} on {where}")
         values = [result] if self._score_one is not None else result
@@ -75,17 +80,17 @@ class Reward:
         checked = []
         for sample, value in zip(samples, values):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                bad = self._failed([sample], f"returned {value!r}, not a finite number, on {_describe(sample)}")
-                checked.append(bad)
+                checked += self._failed([sample], f"returned {value!r}, not a finite number, on {_describe(sample)}")
             else:
                 checked.append(float(value))
-        return checked[0] if self._score_one is not None else checked
+        return checked
 
-    def _failed(self, samples: list[Sample], what: str) -> float | list[float]:
+    def _failed(self, samples: list[Sample], what: str) -> list[float]:
+        """Raise ``RewardError`` (``--reward-error fail``) or score each of ``samples`` 0 and count it."""
         if self.on_error == "fail":
             raise RewardError(f"reward {self.name} {what} (--reward-error zero scores such samples 0 instead)")
         self.errors += len(samples)
-        return 0.0 if self._score_one is not None else [0.0] * len(samples)
+        return [0.0] * len(samples)
 
     async def close(self) -> None:
         if self._close is not None:

@@ -49,6 +49,13 @@ def user_rewards(tmp_path, monkeypatch):
 
         async def too_few(samples):
             return [1.0]
+
+        async def group_nan(samples):
+            return [1.0, float("nan"), 2.0]
+
+        async def needs_an_extra(sample):
+            from redline.extras import require
+            require("no_such_package_for_redline_tests", "this reward")
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "bad_rewards"
@@ -92,6 +99,22 @@ def test_reward_error_zero_scores_failed_samples_zero_and_counts_them(user_rewar
     reward = build_reward(custom_rm_path=f"{user_rewards}:hangs", timeout=0.1, on_error="zero")
     assert score(reward, samples()) == [0.0, 0.0, 0.0]
     assert reward.errors == 3
+
+
+def test_reward_error_zero_scores_a_failed_member_of_a_group_zero(user_rewards):
+    """A group reward's non-finite value becomes a float 0, like the rest of the group's floats."""
+    reward = build_reward(custom_rm_path=f"{user_rewards}:group_nan", group_rm=True, on_error="zero")
+    assert score(reward, samples()) == [1.0, 0.0, 2.0]
+    assert reward.errors == 1
+
+
+def test_a_missing_optional_package_is_not_blamed_on_a_sample(user_rewards):
+    from redline.extras import MissingExtraError
+
+    reward = build_reward(custom_rm_path=f"{user_rewards}:needs_an_extra", on_error="zero")
+    with pytest.raises(MissingExtraError, match="no_such_package_for_redline_tests"):
+        score(reward, samples())
+    assert reward.errors == 0
 
 
 def free_port() -> int:
