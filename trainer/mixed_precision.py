@@ -26,12 +26,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from redline.kernels.lm_head_plan import round_up
+
 ALIGN = 64  # elements: every parameter view starts 128-byte aligned in bf16 (TMA and vector loads need 16)
 OFFLOAD_CHUNK = 64 * 2**20  # elements streamed per chunk with offload: 3 fp32 arrays × 256 MiB, double-buffered
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class FlatGroup:
@@ -45,8 +43,8 @@ class FlatGroup:
         offset = 0
         for p in params:
             self.offsets.append(offset)
-            offset = _round_up(offset + p.numel(), ALIGN)
-        self.numel = _round_up(max(offset, 1), ALIGN * world)
+            offset = round_up(offset + p.numel(), ALIGN)
+        self.numel = round_up(max(offset, 1), ALIGN * world)
         self.compute = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         self.main_grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         with torch.no_grad():
@@ -260,8 +258,8 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
             for a, b in chunks:
                 _update([t[a:b] for t in host], group.grad_shard[a:b], group.compute_shard[a:b], step, scale, hyper)
             return
-        if self._staging is None:
-            length = min(OFFLOAD_CHUNK, size)
+        if self._staging is None:  # shared by every group: sized for the largest
+            length = min(OFFLOAD_CHUNK, max(g.master.numel() for g in self.master.groups))
             self._staging = [[torch.empty(length, dtype=torch.float32, device=group.device) for _ in range(3)]
                              for _ in range(2)]
             self._streams = (torch.cuda.Stream(group.device), torch.cuda.Stream(group.device))
@@ -308,6 +306,9 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict`` saved with the same layout (else ``ValueError`` naming both) and publish the
         restored master weights into the model."""
+        device = self.master.groups[0].device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # offload: the last step's copies back into host memory have landed
         if state.get("layout") != self.master.layout():
             raise ValueError(f"optimizer state saved with layout {state.get('layout')} (data-parallel size and flat "
                              f"parameter groups) cannot be loaded into this run's {self.master.layout()}")

@@ -231,3 +231,24 @@ def test_warm_up_leaves_the_optimizer_state_untouched(config_of):
     assert after["shards"][0]["step"] == before["shards"][0]["step"] == 0
     for key in ("master", "exp_avg", "exp_avg_sq"):
         assert torch.equal(after["shards"][0][key], before["shards"][0][key])
+
+
+@pytest.mark.gpu
+def test_offload_streams_groups_of_several_dtypes_through_one_set_of_buffers(monkeypatch):
+    """The staging buffers serve every dtype group: sized for the largest, whichever comes first."""
+    monkeypatch.setattr(mixed_precision, "OFFLOAD_CHUNK", 1000)
+    results = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(64, 64)).cuda()
+        model[0].to(torch.bfloat16)  # a small bf16 group first, then a larger fp32 one
+        master = MasterWeights(model, offload=offload)
+        optimizer = MixedPrecisionAdamW(master, lr=1e-3)
+        assert [g.master.numel() < mixed_precision.OFFLOAD_CHUNK for g in master.groups] == [True, False]
+        for group in master.groups:
+            group.main_grad.normal_(generator=torch.Generator("cuda").manual_seed(1))
+        master.reduce_and_clip(1.0)
+        optimizer.step()
+        results.append([g.master.cpu() for g in master.groups])
+    for plain, offloaded in zip(*results):
+        assert torch.equal(plain, offloaded)
