@@ -21,15 +21,10 @@ def accumulate_and_clip(model, batches, weights: list[float], loss_fn, *, device
         for key, value in {"loss": loss.detach(), **metrics}.items():
             totals[key] = totals.get(key, 0.0) + value.detach().float() * weight
     max_norm = clip if clip > 0 else float("inf")
-    if master is not None:
+    if master is not None:  # every data-parallel run (its master shards are ZeRO-1's), every run below fp32
         norm = master.reduce_and_clip(max_norm)
-    elif dp.state is None:
+    else:  # one process stepping fp32 parameters itself
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    else:
-        from redline.trainer.parallel import clip_grad_norm, finalize_grads
-
-        finalize_grads(model, dp.state)
-        norm = clip_grad_norm(model, dp.state, max_norm)
     result = dp.reduce_metrics({k: float(v) for k, v in totals.items()})
     result["grad_norm"] = float(norm)
     return result

@@ -33,7 +33,7 @@ def finalize_grads(model: nn.Module, state: ParallelState, *, average_dp: bool =
         if holder is not None:
             dist.all_reduce(param_grad(holder.weight), group=state.pp_group)
         else:
-            reference = param_grad(next(model.parameters()))
+            reference = param_grad(params[0])  # the dtype the other stages reduce in
             zeros = torch.zeros(model.spec.vocab_size // state.tp, model.spec.hidden_size, dtype=reference.dtype,
                                 device=reference.device)
             dist.all_reduce(zeros, group=state.pp_group)
@@ -84,5 +84,6 @@ def grad_norm(model: nn.Module, state: ParallelState) -> torch.Tensor:
 def clip_grad_norm(model: nn.Module, state: ParallelState, max_norm: float) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
     norm = grad_norm(model, state)
-    torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm)
+    grads = [g for g in map(param_grad, model.parameters()) if g is not None]
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))  # torch's clip_grad_norm_ factor
     return norm
