@@ -221,7 +221,14 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
         metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
                              config=to_mapping(config), resume_step=resume_step)
     log_dir = out / "logs" / (f"rank{dp.rank}" if dp.world > 1 else "")
-    state, tokenizer = build(config, console, log_dir=log_dir, dp=dp)
+    try:
+        state, tokenizer = build(config, console, log_dir=log_dir, dp=dp)
+    except BaseException:  # a start that fails while building (data, tokenizer, engine) leaves the folder as found
+        if metrics:
+            metrics.close()
+        if dp.is_main:
+            run_folder.undo_start(out, before)
+        raise
     stop = interrupt.GracefulStop(lambda line: console.print(line, markup=False))
     try:
         state.telemetry = open_gpu_telemetry(_run_devices(state), lambda line: console.print(line, markup=False))

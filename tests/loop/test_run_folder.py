@@ -87,6 +87,19 @@ def test_a_start_that_fails_validation_leaves_no_run_folder(tmp_path):
     assert list(out.iterdir()) == []
 
 
+def test_a_start_that_fails_while_building_leaves_no_run_folder(tmp_path, monkeypatch):
+    from redline.loop import train
+
+    def fails(*args, **kwargs):
+        raise ValueError("prompts.jsonl:3: the prompt is longer than the engine's context")
+
+    monkeypatch.setattr(train, "build", fails)
+    out = tmp_path / "new"
+    with pytest.raises(ValueError, match="prompts.jsonl:3"):
+        run(small_config(out))
+    assert not out.exists()  # the next launch into it is not refused as "a previous run"
+
+
 @pytest.mark.parametrize("engine", [[], ["--embedded-engine-process"]], ids=["in-process", "engine-process"])
 def test_ctrl_c_stops_after_the_step_writes_the_report_and_prints_a_resume_command(tmp_path, engine):
     out = tmp_path / "run"
