@@ -75,6 +75,17 @@ def deal(lengths: list[int], ids: list[int], max_tokens: int, world: int) -> lis
     return [[[ids[j] for j in group] for group in groups] for groups in per_rank]
 
 
+def reward_kl_coef(state: RunState) -> float:
+    """The KL coefficient in the reward this step: the adaptive controller's, else ``--kl-coef``."""
+    return state.kl_controller.coef if state.kl_controller else state.config.algo.kl_coef
+
+
+def reuses_old_logp(state: RunState) -> bool:
+    """Whether the loss takes its old log-probs from its own forward: exact when the weights cannot move between
+    the rollout and the loss (one optimizer step per rollout, no KL in the reward)."""
+    return state.config.train.num_steps_per_rollout == 1 and reward_kl_coef(state) == 0
+
+
 def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     cfg, algo, dp = state.config, state.config.algo, state.dp
     step_start = clock()
@@ -94,8 +105,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     # 2. old / reference log-probs (old ones are reused when the weights cannot move before the loss sees them)
     state.on_phase("log-probs")
     t0 = clock()
-    kl_coef = state.kl_controller.coef if state.kl_controller else algo.kl_coef
-    reuse_old = cfg.train.num_steps_per_rollout == 1 and kl_coef == 0
+    kl_coef, reuse_old = reward_kl_coef(state), reuses_old_logp(state)
     need_ref = state.loss_cfg.kl_coef > 0 or kl_coef > 0
     old_logp = None if reuse_old else per_sample_logprobs(state, samples, reference=False)
     ref_logp = per_sample_logprobs(state, samples, reference=True) if need_ref else None

@@ -30,6 +30,7 @@ import torch
 from redline.kernels.tuning_buckets import prefill_shapes, warmup_row_counts
 from redline.loop.batching import MicroBatch
 from redline.loop.rollout_setup import engine_rows
+from redline.loop.step import reuses_old_logp
 from redline.rollout.types import GenerateRequest, SamplingParams
 
 WARMUP_ENV = "REDLINE_KERNEL_WARMUP"  # "0": skip the warm-up (first calls then tune and compile inside steps)
@@ -154,8 +155,7 @@ def compile_step_kernels(state) -> int:
     gradients dropped, weights untouched; each size is announced to ``state.on_phase`` (the live progress
     display). Returns the number of sizes run."""
     worker, loss_cfg, cfg = state.worker, state.loss_cfg, state.config
-    kl_coef = state.kl_controller.coef if state.kl_controller else cfg.algo.kl_coef
-    reuse_old = cfg.train.num_steps_per_rollout == 1 and kl_coef == 0
+    reuse_old = reuses_old_logp(state)  # the loss path the step takes, so the step compiles nothing new
     counts = warmup_row_counts(max_micro_batch_tokens(cfg))
     generator = torch.Generator().manual_seed(0)  # the run's own random streams stay untouched
     vocab = worker.model.lm_head_weight().shape[0]

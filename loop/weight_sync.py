@@ -40,9 +40,6 @@ SAMPLED_ROW_STRIDE = 16  # the default check reads every 16th 8 KiB row of a buc
 IN_PROCESS_ENV = "REDLINE_IN_PROCESS_SYNC"
 # 0: the engine process gets the pipelined protocol even where zero-copy applies
 ZERO_COPY_ENV = "REDLINE_SYNC_ZERO_COPY"
-# the colocated transition's phases of one step, as ``WeightSync.timings`` reports them
-TRANSITION_METRICS = ("perf/release_time", "perf/pause_train_time", "perf/resume_weights_time", "perf/sync_time",
-                      "perf/check_weights_time", "perf/resume_kv_time")
 CACHE_HEADROOM = 2**30  # bytes beyond the engine's own that must be free before the trainer's cache is left alone
 
 
@@ -104,7 +101,7 @@ class WeightSync:
     ``check_weights`` (--check-weights): every row of every bucket is checked; otherwise every
     ``SAMPLED_ROW_STRIDE``-th row (and each bucket's last). A mismatch raises ``ChecksumMismatch`` (SGLang:
     ``WeightsMismatch``) naming the buckets (parameters). ``timings`` holds the last release's and push's
-    phases in seconds under their ``perf/*`` names (``TRANSITION_METRICS``).
+    phases in seconds under their ``perf/*`` names (the parts of ``redline.loop.metrics.PHASE_PARTS``).
     """
 
     def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
