@@ -158,11 +158,13 @@ async def _cancel_others() -> None:
 
 
 def trainer_state(state: RunState) -> tuple[dict, dict]:
-    """``(shared, this rank's)`` checkpoint state: the controllers are the same on every rank; the optimizers
-    (each rank's shard of the fp32 master weights and moments) and the data position are each rank's own."""
-    shared = {"kl_controller": state.kl_controller.state_dict() if state.kl_controller else None}
-    return shared, {"rollout": state.rollout.state_dict(), "worker": state.worker.state_dict(),
-                    "critic": state.critic.state_dict() if state.critic else None}
+    """``(shared, this rank's)`` checkpoint state: the controllers and the critic's weights are the same on every
+    rank (written once); the optimizers (each rank's shard of the fp32 master weights and moments) and the data
+    position are each rank's own."""
+    critic = state.critic.state_dict() if state.critic else None
+    shared = {"kl_controller": state.kl_controller.state_dict() if state.kl_controller else None,
+              "critic_model": critic.pop("model") if critic else None}
+    return shared, {"rollout": state.rollout.state_dict(), "worker": state.worker.state_dict(), "critic": critic}
 
 
 def restore(state: RunState, folder: Path) -> int:
@@ -176,7 +178,7 @@ def restore(state: RunState, folder: Path) -> int:
     if state.kl_controller and saved["kl_controller"]:
         state.kl_controller.load_state_dict(saved["kl_controller"])
     if state.critic and mine.get("critic"):
-        state.critic.load_state_dict(mine["critic"])
+        state.critic.load_state_dict({**mine["critic"], "model": saved["critic_model"]})
     checkpoint.set_rng_state(mine["rng"])
     state.loop.run_until_complete(state.weight_sync.push(str(saved["rollout_id"] + 1)))
     return saved["rollout_id"] + 1
