@@ -76,11 +76,15 @@ def current_fingerprint(device: torch.device) -> Fingerprint:
 
 
 def _driver_version() -> str:
+    fallback = f"cuda-driver-api {torch._C._cuda_getDriverVersion()}"  # torch's own reading
     try:
         import pynvml
-    except ImportError:  # the gpu extra brings nvidia-ml-py; without it torch's own reading
-        return f"cuda-driver-api {torch._C._cuda_getDriverVersion()}"
-    pynvml.nvmlInit()
+    except ImportError:  # the gpu extra brings nvidia-ml-py
+        return fallback
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # NVML not usable here (no library, a container without it): torch's reading
+        return fallback
     try:
         version = pynvml.nvmlSystemGetDriverVersion()
     finally:
