@@ -76,20 +76,33 @@ def current_fingerprint(device: torch.device) -> Fingerprint:
 
 
 def _driver_version() -> str:
-    fallback = f"cuda-driver-api {torch._C._cuda_getDriverVersion()}"  # torch's own reading
+    """The driver's version string from NVML, else the CUDA driver API's version number (NVML can be absent or
+    unusable in a container where CUDA itself works)."""
     try:
         import pynvml
     except ImportError:  # the gpu extra brings nvidia-ml-py
-        return fallback
+        return _driver_api_version()
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:  # NVML not usable here (no library, a container without it): torch's reading
-        return fallback
+    except pynvml.NVMLError:
+        return _driver_api_version()
     try:
         version = pynvml.nvmlSystemGetDriverVersion()
     finally:
         pynvml.nvmlShutdown()
     return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _driver_api_version(libcuda: str = "libcuda.so.1") -> str:
+    """``cuDriverGetVersion`` of the driver library torch runs on, as ``cuda-driver-api N`` (N = 1000·major +
+    10·minor)."""
+    import ctypes
+
+    version = ctypes.c_int()
+    status = ctypes.CDLL(libcuda).cuDriverGetVersion(ctypes.byref(version))
+    if status != 0:
+        raise RuntimeError(f"cuDriverGetVersion in {libcuda} returned CUDA error {status}")
+    return f"cuda-driver-api {version.value}"
 
 
 def harvest(kernels: dict) -> list[dict]:

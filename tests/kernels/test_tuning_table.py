@@ -129,3 +129,26 @@ def test_a_seeded_autotuner_runs_the_saved_choice_without_timing_again(toy, tmp_
     assert tuning_table.apply(toy, tuning_table.load(tmp_path / "t.json", H100)) == 1
     _toy_kernel[(1,)](x, 9, 16)  # another row count in the same bucket
     assert len(TIMED) == 2 and _toy_kernel.best_config is _toy_kernel.configs[1]
+
+
+def test_driver_version_falls_back_to_the_driver_api_when_nvml_cannot_start(monkeypatch):
+    pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py (the gpu extra) is not installed")
+
+    def no_nvml():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_nvml)
+    monkeypatch.setattr(tuning_table, "_driver_api_version", lambda: "cuda-driver-api 13000")
+    assert tuning_table._driver_version() == "cuda-driver-api 13000"
+
+
+def test_driver_api_version_names_a_library_it_cannot_load():
+    with pytest.raises(OSError, match="libcuda-missing"):
+        tuning_table._driver_api_version("libcuda-missing.so.1")
+
+
+@pytest.mark.gpu
+def test_the_fingerprint_of_this_gpu_names_its_driver():
+    fp = tuning_table.current_fingerprint(torch.device("cuda"))
+    assert fp.driver and fp.capability == torch.cuda.get_device_capability()
+    assert tuning_table._driver_api_version().startswith("cuda-driver-api ")
