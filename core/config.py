@@ -35,6 +35,12 @@ class ParallelConfig:
                                                 "torchrun, a rank waiting for the others (their rollouts "
                                                 "included); with --no-colocate, the weight-update group's "
                                                 "setup, each broadcast sync and its checks")
+    ray_address: str | None = option(None, "place the run on Ray: auto (the running cluster), local (start a Ray "
+                                     "runtime on this machine) or ADDRESS; trainer ranks become Ray actors in "
+                                     "one placement group (redline.loop.ray_launch)")
+    actor_num_nodes: int = option(1, "--ray-address: nodes of trainer ranks")
+    actor_num_gpus_per_node: int = option(1, "--ray-address: trainer ranks per node, one GPU each (a CPU bundle "
+                                          "on a machine without GPUs)")
 
 
 @dataclass
@@ -94,6 +100,14 @@ class RolloutConfig:
     eval_top_p: float = option(1.0, "nucleus p of evaluation")
     eval_max_response_len: int | None = option(None, "max new tokens in evaluation (default: the rollout's)")
     n_samples_per_eval_prompt: int = option(1, "responses per eval prompt (pass@k for k up to this)")
+    use_fault_tolerance: bool | None = option(None, "watch the engine processes: a dead or hung one is restarted "
+                                              "with the current weights and its requests retried (default: on "
+                                              "under --ray-address)")
+    rollout_health_check_interval: float = option(30.0, "seconds between engine health checks")
+    rollout_health_check_timeout: float = option(30.0, "seconds a health check may take before the engine counts "
+                                                 "as hung")
+    rollout_health_check_first_wait: float = option(0.0, "seconds after an engine (re)starts before its first "
+                                                    "health check")
 
 
 @dataclass
@@ -172,6 +186,9 @@ class CheckpointConfig:
     save_hf: str | None = option(None, "export an HF directory here at the end")
     eval_interval: int | None = option(None, "evaluate every N rollouts")
     use_wandb: bool = option(False, "also log to Weights & Biases")
+    auto_resume: bool = option(False, "--ray-address: when a trainer rank dies, recreate the actors and continue "
+                               "from the last checkpoint (from the start when none was saved)")
+    max_restarts: int = option(3, "--auto-resume: restarts allowed before the run fails")
 
 
 @dataclass
