@@ -1,0 +1,175 @@
+"""``redline train --ray-address auto|local|ADDRESS``: the same run, its trainer ranks placed by Ray.
+
+Ray is a placement, not a second loop. The driver (this process) reserves one placement group
+(``redline.loop.ray_placement``: one bundle per GPU, PACK, slots sorted by node and GPU id), starts one
+``TrainerRank`` actor per slot with the environment ``torchrun`` would give it (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR = rank 0's node IP, MASTER_PORT), and each actor calls ``redline.loop.train.run``, the entry of
+``redline train``: the same data-parallel group, the same step. Each rank's engine (embedded engine, its own
+process, or an SGLang server) is started by that rank, so it lives on the rank's node and GPU; engine fault
+tolerance is on by default here (``redline.loop.fault_tolerance``).
+
+``--auto-resume``: when a rank dies, every actor of the attempt is killed (the others would wait in a collective
+until ``--distributed-timeout-minutes``) and new ones continue the run from its last checkpoint (``--load`` of the
+run folder, whose ``metrics.jsonl`` keeps exactly the records up to it), at most ``--max-restarts`` times.
+"""
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from redline.configfile import ConfigError
+from redline.loop.faults import ATTEMPT_ENV
+
+PLACEMENT_FILE = "placement.json"
+# what the ranks inherit from the driver's environment besides what Ray passes on (the fault plan of tests, the
+# loop's own switches)
+FORWARDED_ENV_PREFIXES = ("REDLINE_",)
+
+
+def check_ray_flags(config) -> None:
+    """Flags that only mean something under ``--ray-address``: ConfigError naming the flag."""
+    p, c = config.parallel, config.checkpoint
+    if p.ray_address:
+        if p.actor_num_nodes < 1 or p.actor_num_gpus_per_node < 1:
+            raise ConfigError("--actor-num-nodes and --actor-num-gpus-per-node must be >= 1")
+        if c.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {c.max_restarts}")
+        return
+    for flag, value in (("--actor-num-nodes", p.actor_num_nodes != 1),
+                        ("--actor-num-gpus-per-node", p.actor_num_gpus_per_node != 1),
+                        ("--auto-resume", c.auto_resume)):
+        if value:
+            raise ConfigError(f"{flag} needs --ray-address (auto, local or a cluster address); under torchrun the "
+                              "number of ranks is torchrun's --nproc-per-node/--nnodes")
+
+
+class TrainerRank:
+    """One trainer rank: the process ``torchrun`` would start, as a Ray actor."""
+
+    def __init__(self, env: dict[str, str]):
+        os.environ.update(env)
+
+    def run(self, config, config_path) -> int:
+        from redline.loop.train import run
+
+        return run(config, config_path)
+
+
+def run_on_ray(config, config_path=None) -> int:
+    """Place and run ``config`` on the Ray cluster at ``--ray-address``; returns the exit code of rank 0."""
+    from redline.extras import require
+
+    check_ray_flags(config)
+    ray = require("ray", "--ray-address")
+    address = config.parallel.ray_address
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING",
+                 **({"num_cpus": _local_cpus(config)} if address == "local" else {}))
+    group = None
+    try:
+        world = config.parallel.actor_num_nodes * config.parallel.actor_num_gpus_per_node
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        from redline.loop import ray_placement
+
+        group, slots = ray_placement.place(ray, world, use_gpu)
+        out = Path(config.checkpoint.output_dir or _fixed_output_dir(config))  # every attempt writes here
+        config = _replace(config, "checkpoint", output_dir=str(out))
+        _announce(slots)
+        try:
+            return _attempts(ray, config, config_path, group, slots, use_gpu, out)
+        finally:
+            if out.is_dir():  # written last: an --overwrite start empties the folder first
+                (out / PLACEMENT_FILE).write_text(json.dumps(_rows(slots), indent=1) + "\n")
+    finally:
+        if group is not None:
+            ray.util.remove_placement_group(group)
+        if started_here:
+            ray.shutdown()
+
+
+def _local_cpus(config) -> int:
+    """``local`` on a CPU machine: at least one CPU per trainer rank, so the placement group fits."""
+    return max(os.cpu_count() or 1, config.parallel.actor_num_nodes * config.parallel.actor_num_gpus_per_node)
+
+
+def _fixed_output_dir(config) -> str:
+    from redline.loop.train import output_dir_for
+
+    return str(output_dir_for(config))
+
+
+def _attempts(ray, config, config_path, group, slots, use_gpu, out: Path) -> int:
+    from ray.exceptions import RayActorError
+
+    restarts = config.checkpoint.max_restarts if config.checkpoint.auto_resume else 0
+    for attempt in range(restarts + 1):
+        actors = _start_ranks(ray, group, slots, use_gpu, attempt)
+        try:
+            return _wait(ray, [a.run.remote(config, config_path) for a in actors])
+        except RayActorError as exc:
+            if attempt == restarts:
+                print(f"trainer rank died ({type(exc).__name__}); "
+                      + ("no restarts left (--max-restarts)" if restarts else "--auto-resume is off"), flush=True)
+                return 1
+            config, where = _resume_config(config, out)
+            print(f"trainer rank died; restart {attempt + 1}/{restarts} from {where}", flush=True)
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+    raise AssertionError("unreachable: the last attempt returns")
+
+
+def _start_ranks(ray, group, slots, use_gpu: bool, attempt: int) -> list:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from redline.loop import ray_placement
+
+    actor = ray.remote(max_restarts=0, max_concurrency=1)(TrainerRank)
+    inherited = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
+    return [actor.options(**resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=slot.bundle_index)).remote(
+        {**inherited, **ray_placement.rank_env(slots, rank), ATTEMPT_ENV: str(attempt)})
+        for rank, slot in enumerate(slots)]
+
+
+def _wait(ray, pending: list) -> int:
+    """Rank 0's exit code once every rank returned; the first rank failure raises at once (the others may be
+    waiting for it in a collective)."""
+    codes = {}
+    remaining = list(pending)
+    while remaining:
+        done, remaining = ray.wait(remaining, num_returns=1)
+        codes[done[0]] = ray.get(done[0])
+    return codes[pending[0]] or max(codes.values())
+
+
+def _resume_config(config, out: Path):
+    """``(config, description)`` of the next attempt: ``--load`` of the run folder (its latest checkpoint), or, when
+    none was saved yet, the run from the start in the same folder (``--overwrite``)."""
+    from redline.loop.checkpoint import resolve
+
+    try:
+        folder = resolve(out)
+    except (FileNotFoundError, ValueError):
+        return _replace(config, "checkpoint", load=None, overwrite=True), "the start (no checkpoint yet)"
+    return _replace(config, "checkpoint", load=str(out), overwrite=False), str(folder)
+
+
+def _replace(config, section: str, **values):
+    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
+
+
+def _rows(slots) -> list[dict]:
+    """The rank → (node, GPU, bundle) map, as ``placement.json`` in the run folder keeps it."""
+    return [{"rank": r, "node_ip": s.node_ip, "node_id": s.node_id, "gpu": s.gpu, "bundle": s.bundle_index}
+            for r, s in enumerate(slots)]
+
+
+def _announce(slots) -> None:
+    for row in _rows(slots):
+        where = f"GPU {row['gpu']}" if row["gpu"] is not None else "CPU bundle"
+        print(f"ray: rank {row['rank']} on node {row['node_ip']} ({row['node_id'][:8]}) {where}, bundle "
+              f"{row['bundle']}", flush=True)

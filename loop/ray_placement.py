@@ -1,0 +1,69 @@
+"""Where the trainer ranks of a Ray run go: one placement group, one bundle per GPU, and the logical → physical map.
+
+The group holds ``actor_num_nodes × actor_num_gpus_per_node`` bundles, ``{"GPU": 1, "CPU": 1}`` each (``{"CPU": 1}``
+on a cluster without GPUs), strategy ``PACK``. Ray decides which node and GPU a bundle lands on; a probe task on
+every bundle reports it (node IP, node id, GPU id), and the bundles are sorted by node, then GPU id, as slime does,
+so rank r is the r-th slot of that order: neighbouring ranks share a node, and rank 0's node hosts the rendezvous.
+"""
+
+from dataclasses import dataclass
+
+READY_TIMEOUT_S = 300.0  # a group Ray cannot place in this time (too few GPUs/CPUs in the cluster) fails the start
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One bundle of the group: where Ray put it. ``gpu``: the GPU id on its node (None on a CPU bundle)."""
+
+    bundle_index: int
+    node_ip: str
+    node_id: str
+    gpu: int | None
+    free_port: int  # a port that was free on the node when probed (rank 0's serves the rendezvous)
+
+
+def bundles(count: int, use_gpu: bool) -> list[dict[str, float]]:
+    return [{"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1} for _ in range(count)]
+
+
+def place(ray, count: int, use_gpu: bool):
+    """``(placement group, slots)``: the group of ``count`` bundles once Ray has reserved it, and its slots in
+    logical order (sorted by node IP, node id, GPU id)."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group(bundles(count, use_gpu), strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"Ray could not reserve {count} bundle(s) of {bundles(1, use_gpu)[0]} within "
+                           f"{READY_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}")
+    probe = ray.remote(_where_am_i)
+    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
+    found = ray.get([probe.options(**resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=i)).remote(i) for i in range(count)])
+    return group, sorted((Slot(*f) for f in found), key=lambda s: (s.node_ip, s.node_id, s.gpu or 0))
+
+
+def _where_am_i(bundle_index: int) -> tuple:
+    """In a task on one bundle: ``Slot`` fields of that bundle."""
+    import ray
+
+    from redline.ports import free_port
+
+    gpus = ray.get_gpu_ids()
+    return (bundle_index, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
+            int(gpus[0]) if gpus else None, free_port())
+
+
+def rank_env(slots: list[Slot], rank: int) -> dict[str, str]:
+    """The environment ``torchrun`` gives rank ``rank`` (``redline.loop.data_parallel.init_data_parallel`` reads it):
+    RANK, WORLD_SIZE, LOCAL_RANK (the GPU id on its node, every GPU of the node visible to it; on CPU bundles its
+    index among its node's ranks), MASTER_ADDR/PORT on rank 0's node."""
+    slot = slots[rank]
+    local = slot.gpu if slot.gpu is not None else [s.node_id for s in slots[:rank]].count(slot.node_id)
+    return {"RANK": str(rank), "WORLD_SIZE": str(len(slots)), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(sum(s.node_id == slot.node_id for s in slots)),
+            "MASTER_ADDR": slots[0].node_ip, "MASTER_PORT": str(slots[0].free_port),
+            # the rank picks its GPU by LOCAL_RANK, as under torchrun, so Ray must not narrow what it sees
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
