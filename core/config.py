@@ -28,9 +28,14 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, "pipeline-parallel size (PP)")
     sequence_parallel: bool = option(False, "sequence parallelism with TP")
     colocate: bool = option(True, "trainer and engines share the same GPUs")
-    rollout_num_gpus: int = option(1, "--no-colocate: GPUs for the rollout engines, one engine each (an embedded "
-                                   "engine process, or an SGLang server launched there; cuda:1 ...; the trainer "
-                                   "takes cuda:0); on a CPU machine, embedded engine processes on the CPU")
+    rollout_num_gpus: int = option(1, "--no-colocate: GPUs for the rollout engines, one engine per "
+                                   "--rollout-num-gpus-per-engine of them (an embedded engine process, or an SGLang "
+                                   "server launched there; cuda:1 ...; the trainer takes cuda:0); on a CPU machine, "
+                                   "embedded engine processes on the CPU")
+    rollout_num_gpus_per_engine: int = option(1, "GPUs per rollout engine: an SGLang server with this tensor-"
+                                              "parallel size (--tp-size); colocated, the trainer ranks on those "
+                                              "GPUs (consecutive ranks of one node) each feed their engine TP rank "
+                                              "its own copy of every weight bucket; the embedded engine takes 1")
     distributed_timeout_minutes: float = option(10.0, "how long a collective may wait before failing: under "
                                                 "torchrun, a rank waiting for the others (their rollouts "
                                                 "included); with --no-colocate, the weight-update group's "

@@ -322,6 +322,17 @@ def check_placement(config, world_size: int = 1) -> None:
                               f"--rollout-num-gpus or drop --no-colocate")
 
 
+def check_engine_gpus_here(config, world_size: int) -> None:
+    """``--rollout-num-gpus-per-engine`` against this launch (``LOCAL_WORLD_SIZE``: torchrun's processes per node)."""
+    import os
+
+    from redline.loop.engine_placement import check_engine_gpus
+    from redline.loop.rollout_setup import resolve_engine
+
+    check_engine_gpus(config, engine=resolve_engine(config), world_size=world_size,
+                      local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
 def validate(config, world_size: int = 1) -> None:
     """Every check that can fail before a model loads; raises ConfigError naming the flag or file.
     ``world_size``: the data-parallel ranks (``torchrun`` processes) of the run."""
@@ -342,6 +353,7 @@ def validate(config, world_size: int = 1) -> None:
     check_backends(config)
     check_engine(config)
     check_placement(config, world_size)
+    check_engine_gpus_here(config, world_size)
     if config.checkpoint.load:
         check_load(config.checkpoint.load, world_size)
     if config.sync.update_weight_buffer_size < 1:
