@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-COUNT_METRICS = ("rollout/dropped_groups", "rollout/discarded_groups", "rollout/returned_groups")
+COUNT_METRICS = ("rollout/dropped_groups", "rollout/discarded_groups", "rollout/returned_groups",
+                 "rollout/engine_restarts", "rollout/retried_requests")
 
 
 @dataclass(frozen=True)

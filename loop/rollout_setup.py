@@ -11,6 +11,7 @@ import contextlib
 import os
 
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
+from redline.loop.fault_tolerance import arm_injected_fault, fault_metrics, watched_engine
 from redline.rollout.data import DataSource, PromptDataset
 from redline.rollout.evaluation import EvalSet, evaluate
 from redline.rollout.functions import load_function
@@ -56,8 +57,10 @@ class LoopRollout:
         return sum(d.stats.skipped_bad for d in datasets.values())
 
     async def generate(self, rollout_id: int):
+        arm_injected_fault(self.engine, rollout_id)
         output = await self.manager.generate_rollout()
         output.metrics["data/skipped_records"] = float(self.skipped_records)
+        output.metrics.update(fault_metrics(self.engine))
         return [s for group in output.groups for s in group], output.metrics
 
     async def close(self) -> None:
@@ -274,7 +277,8 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
                       shuffle=d.rollout_shuffle, **shard)
     reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url,
                           timeout=r.rm_timeout, max_retries=r.rm_max_retries, on_error=r.reward_error)
-    engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir)
+    engine = watched_engine(config, lambda: build_engine(config, tokenizer, device=device, dtype=dtype,
+                                                         log_dir=log_dir))
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
                             stop_token_ids=tuple(r.rollout_stop_token_ids), ignore_eos=r.rollout_ignore_eos)

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.gpu_telemetry import open_gpu_telemetry
-from redline.loop import checkpoint, interrupt, run_folder
+from redline.loop import checkpoint, faults, interrupt, run_folder
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
 from redline.loop.critic import CriticWorker
@@ -56,6 +56,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     data parallelism each rank builds its own trainer (on ``dp.device``) and colocated engine."""
     from transformers import AutoTokenizer
 
+    from redline.loop.fault_tolerance import engine_sync
     from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
     from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
@@ -101,10 +102,10 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     if rollout.skipped_records:
         console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
                       f"(data/skipped_records)", markup=False, soft_wrap=True)
-    if config.parallel.colocate:
-        weight_sync = WeightSync(model, engine, bucket_bytes=config.sync.update_weight_buffer_size,
-                                 offload=config.sync.offload_rollout, device=device,
-                                 check_weights=config.sync.check_weights)
+    if config.parallel.colocate:  # a watched engine (--use-fault-tolerance) gets a new WeightSync at each restart
+        weight_sync = engine_sync(engine, lambda engine: WeightSync(
+            model, engine, bucket_bytes=config.sync.update_weight_buffer_size, offload=config.sync.offload_rollout,
+            device=device, check_weights=config.sync.check_weights, seat=rollout.engine_seat))
     else:
         weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
                                           bucket_bytes=config.sync.update_weight_buffer_size, device=device,
@@ -305,6 +306,7 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
             step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
             progress.evaluation(step, step_metrics)
         log(step, step_metrics)
+        faults.after_step(dp.rank, step)  # REDLINE_FAULT=kill-trainer:RANK@step:S (tests of --auto-resume)
         progress.step(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
         for warning in health.observe(step, step_metrics):
             progress.warn(warning)

@@ -25,6 +25,10 @@ from redline.rollout.types import GenerateRequest, GenerateResult
 _READY = -1
 
 
+class EngineProcessDied(RuntimeError):
+    """A call that was waiting on an engine process when it was killed (``EmbeddedEngineProcess.kill``)."""
+
+
 def _encode(message) -> bytes:
     """Pickle with torch's reductions (shared memory / CUDA IPC for tensors) in the caller's thread, so a
     message that cannot cross raises here instead of dying silently in the queue's feeder thread."""
@@ -207,6 +211,27 @@ class EmbeddedEngineProcess:
 
     async def health(self) -> bool:
         return self._process.is_alive() and not self._closed and await self._call("health")
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id (fault injection SIGKILLs it)."""
+        return self._process.pid
+
+    def kill(self) -> None:
+        """Stop a dead or hung engine without asking it: SIGKILL the process, end the reader thread, and fail every
+        call still waiting for an answer with ``EngineProcessDied``. Idempotent; the object is shut down after."""
+        if self._closed:
+            return
+        self._closed = True
+        self._process.kill()
+        self._process.join()
+        self._weight_conn.close()
+        self._replies.put(None)
+        self._reader.join()
+        waiting, self._waiting = self._waiting, {}
+        for call_id, (loop, future) in waiting.items():
+            error = EngineProcessDied(f"the embedded engine process (pid {self._process.pid}) was killed")
+            loop.call_soon_threadsafe(lambda f=future, e=error: f.done() or f.set_exception(e))
 
     async def shutdown(self) -> None:
         if self._closed:

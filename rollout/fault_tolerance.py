@@ -1,0 +1,203 @@
+"""Engines behind health checks: a dead or hung engine is found, replaced and caught up; no request is lost.
+
+``FaultTolerantEngine`` implements ``redline.rollout.engine.Engine`` over ``count`` engines made by ``start()``,
+engines in processes of their own (they have ``kill()``: ``EmbeddedEngineProcess``). Each ``generate`` call goes to
+the next healthy engine in turn. A health monitor, a task on the run's event loop (it checks while the loop runs:
+rollouts, evaluations, weight pushes), asks every engine ``health()`` each ``interval`` seconds, from
+``first_wait`` seconds after the engine started. An engine that answers False, raises or stays silent for
+``timeout`` seconds is killed and replaced:
+
+1. every ``generate`` call in flight on it is sent again to a healthy engine (``retried_requests`` counts its
+   requests). A request carries its own sampling seed, so the retry draws what the dead engine would have drawn;
+   the dead engine's answer is never used, so each request returns exactly once: nothing lost, nothing twice;
+2. ``start()`` makes a new engine and ``restore(engine)`` (set by the weight sync) gives it the current weights
+   before any request reaches it (``restarts``).
+
+While no engine is healthy, calls wait for the replacement. ``replace_dead()`` checks at once (before a weight
+push: an engine may have died while the trainer trained and the loop was not running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Slot:
+    engine: object
+    started: float = field(default_factory=time.monotonic)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while the engine may take requests
+    died: asyncio.Event = field(default_factory=asyncio.Event)  # this incarnation's end (a new one per restart)
+
+
+class FaultTolerantEngine:
+    def __init__(self, start: Callable[[], object], *, count: int = 1, first=None, interval: float = 30.0,
+                 timeout: float = 30.0, first_wait: float = 0.0):
+        """``first``: an engine ``start()`` already made (it becomes engine 0)."""
+        if interval <= 0 or timeout <= 0 or first_wait < 0:
+            raise ValueError(f"health checks need interval > 0, timeout > 0, first_wait >= 0; got {interval}, "
+                             f"{timeout}, {first_wait}")
+        self._start = start
+        self.interval, self.timeout, self.first_wait = interval, timeout, first_wait
+        self._slots = [_Slot(first if i == 0 and first is not None else start()) for i in range(count)]
+        for slot in self._slots:
+            slot.ready.set()
+        self.restore: Callable[[object], Awaitable[None]] | None = None
+        self.restarts = 0
+        self.retried_requests = 0
+        self._next = 0
+        self._monitor: asyncio.Task | None = None
+        self._failure: BaseException | None = None
+        self._kill_armed: int | None = None
+        self._reported = (0, 0)
+
+    @property
+    def engines(self) -> list:
+        return [slot.engine for slot in self._slots]
+
+    async def generate(self, requests):
+        self._watch()
+        while True:
+            slot = await self._healthy_slot()
+            call = asyncio.ensure_future(slot.engine.generate(requests))
+            died = asyncio.ensure_future(slot.died.wait())
+            try:
+                await asyncio.wait({call, died}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            finally:
+                died.cancel()
+            if call.done() and not slot.died.is_set():
+                if call.exception() is None:
+                    self._after_result(slot)
+                    return call.result()
+                if await self._answers(slot):
+                    return call.result()  # the engine is fine: the error is the request's own
+                await self._replace(slot)
+            if call.done():
+                call.cancelled() or call.exception()  # the dead engine's answer, dropped (and marked as read)
+            else:
+                call.cancel()
+            self.retried_requests += len(requests)
+
+    def kill_after_first_result(self, index: int) -> None:
+        """Fault injection (``redline.loop.faults``): SIGKILL engine ``index``'s process when its next answer
+        comes back, while its other requests are still in flight."""
+        self._kill_armed = index
+
+    def take_metrics(self) -> dict[str, float]:
+        """``rollout/engine_restarts`` and ``rollout/retried_requests`` since the last call."""
+        restarts, retried = self._reported
+        self._reported = (self.restarts, self.retried_requests)
+        return {"rollout/engine_restarts": float(self.restarts - restarts),
+                "rollout/retried_requests": float(self.retried_requests - retried)}
+
+    async def replace_dead(self) -> None:
+        """Check every engine now and replace the ones that do not answer."""
+        for slot in self._slots:
+            if slot.ready.is_set() and not await self._answers(slot):
+                await self._replace(slot)
+        self._raise_failure()
+
+    def _after_result(self, slot: _Slot) -> None:
+        if self._kill_armed is not None and self._slots[self._kill_armed] is slot:
+            self._kill_armed = None
+            os.kill(slot.engine.pid, signal.SIGKILL)
+
+    async def _healthy_slot(self) -> _Slot:
+        while True:
+            self._raise_failure()
+            for offset in range(len(self._slots)):
+                slot = self._slots[(self._next + offset) % len(self._slots)]
+                if slot.ready.is_set():
+                    self._next += offset + 1
+                    return slot
+            waits = [asyncio.ensure_future(s.ready.wait()) for s in self._slots]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+
+    def _watch(self) -> None:
+        """Start the health monitor on the running loop (once)."""
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.ensure_future(self._check_forever())
+
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            for slot in self._slots:
+                due = time.monotonic() - slot.started >= self.first_wait
+                if due and slot.ready.is_set() and not await self._answers(slot):
+                    await self._replace(slot)
+
+    async def _answers(self, slot: _Slot) -> bool:
+        try:
+            return bool(await asyncio.wait_for(slot.engine.health(), self.timeout))
+        except Exception:  # noqa: BLE001 - a health check that fails in any way is an unhealthy engine
+            return False
+
+    async def _replace(self, slot: _Slot) -> None:
+        if not slot.ready.is_set():
+            return  # being replaced already
+        slot.ready.clear()
+        slot.died.set()
+        slot.engine.kill()
+        try:
+            # in the loop's thread, which lives as long as the run: an engine process ends with the thread that
+            # started it (redline.rollout.embedded.lifeline)
+            engine = self._start()
+            if self.restore is not None:
+                await self.restore(engine)
+        except BaseException as exc:
+            self._failure = exc
+            slot.ready.set()  # wakes the callers waiting for an engine; they raise the failure
+            raise
+        slot.engine, slot.started, slot.died = engine, time.monotonic(), asyncio.Event()
+        self.restarts += 1
+        slot.ready.set()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"a rollout engine could not be restarted: {self._failure!r}") from self._failure
+
+    async def update_weights(self, buckets, version):
+        buckets = [list(b) for b in buckets]  # each engine reads every bucket
+        await self._all("update_weights", buckets, version)
+
+    async def set_weight_version(self, version):
+        await self._all("set_weight_version", version)
+
+    async def release_memory(self, tags):
+        await self._all("release_memory", tags)
+
+    async def resume_memory(self, tags):
+        await self._all("resume_memory", tags)
+
+    async def flush_cache(self):
+        await self._all("flush_cache")
+
+    async def pause(self):
+        await self._all("pause")
+
+    async def resume(self):
+        await self._all("resume")
+
+    async def health(self) -> bool:
+        return all(await asyncio.gather(*(self._answers(s) for s in self._slots)))
+
+    async def shutdown(self):
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        await self._all("shutdown")
+
+    async def _all(self, method, *args):
+        await asyncio.gather(*(getattr(s.engine, method)(*args) for s in self._slots))
