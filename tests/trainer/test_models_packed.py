@@ -65,3 +65,21 @@ def test_per_length_attention_batches_sequences_with_the_masked_result_and_gradi
     assert len(calls) == len({n for n in lengths if n})
     for got, want in zip(per_length, masked):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [96, 4096], ids=["masked", "per-length"])
+def test_packed_attention_on_cuda_never_runs_cudnn_sdpa(num_tokens):
+    """cuDNN's SDPA plans every new shape (>100 ms each on an H100): RL batches would pay it inside steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lengths = [num_tokens // 4 - 3, num_tokens // 4 + 1, num_tokens // 4 + 2, num_tokens // 4]
+    cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(num_tokens, heads, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (8, 2, 2))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        varlen_causal_attention(q, k, v, cu_seqlens, None, 0.125).sum().backward()
+        torch.cuda.synchronize()
+    names = [event.key.lower() for event in trace.key_averages()]
+    assert any("attention" in name for name in names)
+    assert not [name for name in names if "cudnn" in name]

@@ -10,12 +10,26 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from redline.extras import available, import_error, require
 
 # Up to this many packed tokens one SDPA call with a block-diagonal causal mask ([T, T] bool) is cheaper than
 # one call per sequence length; above it the mask's T^2 memory and wasted FLOPs win over the launches.
 MASKED_SDPA_MAX_TOKENS = 2048
+
+# SDPA's kernels without cuDNN: cuDNN's builds an execution plan for each new shape, 123-165 ms fwd+bwd on the first
+# call of a shape against 1.0 ms after (H100, torch 2.11, cuDNN 9.19), and RL batches bring new sequence lengths
+# every step; flash took 0.74-0.77 ms, first call or not (benchmarks/sdpa_first_call.py; results in
+# benchmarks/results/trainer/attention/sdpa-first-call-h100/).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa(*args, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` restricted to ``SDPA_BACKENDS`` (the backward runs the kernel the forward
+    picked)."""
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(*args, **kwargs)
 
 
 def _flash_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -38,8 +52,7 @@ def flash_attention_usable(q: torch.Tensor) -> bool:
 
 def varlen_attention_impl(device: torch.device | str, dtype: torch.dtype) -> str:
     """Which kernel ``varlen_causal_attention`` runs for inputs on ``device`` in ``dtype`` (for logs and
-    benchmark records): ``"flash-attn-4 varlen"`` or ``"sdpa"`` (PyTorch then picks cuDNN / flash / efficient /
-    math)."""
+    benchmark records): ``"flash-attn-4 varlen"`` or ``"sdpa"`` (PyTorch then picks among ``SDPA_BACKENDS``)."""
     return "flash-attn-4 varlen" if _flash_usable(device, dtype) else "sdpa"
 
 
@@ -77,7 +90,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if num_tokens <= MASKED_SDPA_MAX_TOKENS:
         mask = block_causal_mask(cu_seqlens, num_tokens)
-        out = F.scaled_dot_product_attention(*(_batched(t) for t in (q, k, v)), attn_mask=mask, scale=scale)
+        out = _sdpa(*(_batched(t) for t in (q, k, v)), attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1)
     return _sdpa_per_length(q, k, v, cu_seqlens.tolist(), scale)
 
@@ -97,8 +110,8 @@ def _sdpa_per_length(q, k, v, bounds: list[int], scale: float) -> torch.Tensor:
             qs, ks, vs = (t[span].unflatten(0, (len(starts), length)) for t in (q, k, v))
         else:
             qs, ks, vs = (torch.stack([t[s:s + length] for s in starts]) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs)), is_causal=True,
-                                             scale=scale).transpose(1, 2)  # [n, L, h, d]
+        out = _sdpa(*(t.transpose(1, 2) for t in (qs, ks, vs)), is_causal=True, scale=scale)
+        out = out.transpose(1, 2)  # [n, L, h, d]
         if len(starts_of) == 1 and len(starts) * length == q.shape[0]:
             return out.reshape(q.shape[0], *out.shape[2:])
         pieces.update(zip(starts, out.unbind(0)))
@@ -123,8 +136,7 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], scale)[:, None]
     slots = torch.arange(k_cache.shape[2], device=positions.device)
     visible = slots[None, None, :] <= positions.clamp(min=0)[:, :, None]  # [B, L, S]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=visible[:, None],
-                                         scale=scale, enable_gqa=True)
+    out = _sdpa(q.transpose(1, 2), k_cache, v_cache, attn_mask=visible[:, None], scale=scale, enable_gqa=True)
     return out.transpose(1, 2)
 
 
