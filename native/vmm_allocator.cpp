@@ -33,6 +33,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -189,6 +190,42 @@ size_t total_bytes(Bytes bytes) {
   return total;
 }
 
+// Releases the physical memory of the selected allocations of each device, copying those whose flag is set
+// to their pinned host buffers first (made at their first such pause, then reused; the copies queued back to
+// back on the device's copy stream, one synchronisation). Allocations already paused are skipped.
+using Selection = std::map<int, std::vector<std::tuple<CUdeviceptr, Allocation*, bool>>>;
+
+int pause_selected(const Selection& selection) {
+  for (auto& [device, list] : selection) {
+    bool ok = with_device_context(device, [&] {
+      // Device work on any stream may still read or write this memory: finish it before copying/unmapping.
+      if (!check(driver.cuCtxSynchronize(), "cuCtxSynchronize")) return false;
+      CUstream stream = nullptr;
+      bool copies = false;
+      for (auto& [ptr, a, keep] : list) {
+        if (!keep || !a->is_mapped) continue;
+        if (!stream && !copy_stream(device, &stream)) return false;
+        if (!a->host_backup) {
+          if (!check(driver.cuMemAllocHost(&a->host_backup, a->size), "cuMemAllocHost")) return false;
+          ++host_allocations;
+        }
+        if (!check(driver.cuMemcpyDtoHAsync(a->host_backup, ptr, a->size, stream), "cuMemcpyDtoHAsync"))
+          return false;
+        copies = true;
+      }
+      if (copies && !check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")) return false;
+      for (auto& [ptr, a, keep] : list) {
+        if (!a->is_mapped) continue;
+        a->saved = keep;
+        if (!unmap_physical(ptr, *a)) return false;
+      }
+      return true;
+    });
+    if (!ok) return -1;
+  }
+  return 0;
+}
+
 // ----- a host-memory imitation of the driver calls above, for tests on machines without a GPU -----------
 // Address ranges are reserved with mmap(PROT_NONE); mapping makes them read-write with fresh, scribbled
 // contents (physical memory comes back undefined); unmapping drops the contents; copies are memcpy.
@@ -294,34 +331,38 @@ void redline_vmm_free(void* p, size_t /*size*/, int /*device*/, void* /*stream*/
 // set (allocations already paused stay paused).
 int redline_vmm_pause(int keep_contents) {
   std::lock_guard<std::mutex> lock(mutex);
-  for (auto& [device, list] : by_device()) {
-    bool ok = with_device_context(device, [&] {
-      // Device work on any stream may still read or write this memory: finish it before copying/unmapping.
-      if (!check(driver.cuCtxSynchronize(), "cuCtxSynchronize")) return false;
-      if (keep_contents) {
-        CUstream stream;
-        if (!copy_stream(device, &stream)) return false;
-        for (auto& [ptr, a] : list) {
-          if (!a->is_mapped) continue;
-          if (!a->host_backup) {
-            if (!check(driver.cuMemAllocHost(&a->host_backup, a->size), "cuMemAllocHost")) return false;
-            ++host_allocations;
-          }
-          if (!check(driver.cuMemcpyDtoHAsync(a->host_backup, ptr, a->size, stream), "cuMemcpyDtoHAsync"))
-            return false;
-        }
-        if (!check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")) return false;
-      }
-      for (auto& [ptr, a] : list) {
-        if (!a->is_mapped) continue;
-        a->saved = keep_contents != 0;
-        if (!unmap_physical(ptr, *a)) return false;
-      }
-      return true;
-    });
-    if (!ok) return -1;
+  Selection selection;
+  for (auto& [device, list] : by_device())
+    for (auto& [ptr, a] : list) selection[device].emplace_back(ptr, a, keep_contents != 0);
+  return pause_selected(selection);
+}
+
+// Like redline_vmm_pause, for the `count` allocations starting at `ptrs[i]` only, each with its own
+// keep_contents[i] (the trainer's state pauses group by group: what is rebuilt is dropped, the rest kept).
+// Returns 0, or -1 with redline_vmm_last_error() set; a pointer that starts no allocation fails before any
+// is paused.
+int redline_vmm_pause_some(void* const* ptrs, const int* keep_contents, size_t count) {
+  std::lock_guard<std::mutex> lock(mutex);
+  Selection selection;
+  std::map<CUdeviceptr, size_t> order;  // address order, as redline_vmm_pause works
+  for (size_t i = 0; i < count; ++i) order[reinterpret_cast<CUdeviceptr>(ptrs[i])] = i;
+  for (auto& [ptr, i] : order) {
+    auto it = allocations.find(ptr);
+    if (it == allocations.end()) {
+      last_error = "redline_vmm_pause_some: " + std::to_string(ptr) + " is not the start of an allocation";
+      return -1;
+    }
+    selection[it->second.device].emplace_back(ptr, &it->second, keep_contents[i] != 0);
   }
-  return 0;
+  return pause_selected(selection);
+}
+
+// Bytes mapped for the allocation starting at `p` while it is not paused (its size rounded up to the
+// granularity); 0 when `p` starts no allocation.
+size_t redline_vmm_allocation_bytes(void* p) {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = allocations.find(reinterpret_cast<CUdeviceptr>(p));
+  return it == allocations.end() ? 0 : it->second.mapped;
 }
 
 // Maps new physical memory at the same addresses for every paused allocation and restores the contents saved

@@ -15,7 +15,8 @@ from redline.sync.memory import NativeLibraryMissing, load_native, native_librar
 
 ROOT = Path(__file__).resolve().parents[2]
 HAVE_TOOLCHAIN = shutil.which("cmake") is not None and (shutil.which("nvcc") or os.environ.get("CUDA_HOME"))
-EXPORTS = ["redline_vmm_malloc", "redline_vmm_free", "redline_vmm_pause", "redline_vmm_resume",
+EXPORTS = ["redline_vmm_malloc", "redline_vmm_free", "redline_vmm_pause", "redline_vmm_pause_some",
+           "redline_vmm_allocation_bytes", "redline_vmm_resume",
            "redline_vmm_release_host", "redline_vmm_mapped_bytes", "redline_vmm_reserved_bytes",
            "redline_vmm_host_backup_bytes", "redline_vmm_host_allocations", "redline_vmm_allocation_count",
            "redline_vmm_last_error", "redline_vmm_use_fake_driver"]
@@ -134,3 +135,32 @@ def test_freeing_a_paused_allocation_frees_its_host_buffer(fake):
     fake.redline_vmm_pause(1)
     fake.redline_vmm_free(a, PAGE, 0, None)
     assert fake.redline_vmm_allocation_count() == 0 and fake.redline_vmm_host_backup_bytes() == 0
+
+
+def pause_some(lib, pointers, keep):
+    return lib.redline_vmm_pause_some((ctypes.c_void_p * len(pointers))(*pointers),
+                                      (ctypes.c_int * len(keep))(*keep), len(pointers))
+
+
+def test_pause_some_releases_only_the_listed_allocations_each_by_its_flag(fake):
+    kept, dropped, untouched = allocate(fake, PAGE), allocate(fake, 2 * PAGE), allocate(fake, PAGE)
+    for address, text in ((kept, b"kept"), (dropped, b"dropped"), (untouched, b"untouched")):
+        write(address, text)
+    assert pause_some(fake, [dropped, kept], [0, 1]) == 0
+    assert fake.redline_vmm_mapped_bytes() == PAGE  # only `untouched` still mapped
+    assert fake.redline_vmm_host_backup_bytes() == PAGE  # only `kept` went to the host
+    assert read(untouched, 9) == b"untouched"  # readable while the others are paused
+    assert fake.redline_vmm_resume() == 0
+    assert read(kept, 4) == b"kept" and read(dropped, 7) != b"dropped"
+
+
+def test_pause_some_refuses_a_pointer_inside_an_allocation_and_pauses_nothing(fake):
+    a = allocate(fake, 2 * PAGE)
+    assert pause_some(fake, [a, a + PAGE], [1, 1]) == -1
+    assert b"not the start of an allocation" in fake.redline_vmm_last_error()
+    assert fake.redline_vmm_mapped_bytes() == 2 * PAGE
+
+
+def test_allocation_bytes_is_the_size_rounded_to_the_granularity(fake):
+    assert fake.redline_vmm_allocation_bytes(allocate(fake, PAGE + 1)) == 2 * PAGE
+    assert fake.redline_vmm_allocation_bytes(12345) == 0
