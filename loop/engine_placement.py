@@ -91,6 +91,10 @@ def check_engine_gpus(config, *, engine: str, world_size: int, local_world_size:
         flag = "--check-sglang-weights" if config.sync.check_sglang_weights else "--check-weights"
         raise ConfigError(f"{flag} compares SGLang's /weights_checker hashes with whole tensors, but with {FLAG} "
                           f"{n} each server rank holds TP shards: drop {flag} or set {FLAG} 1")
+    if config.rollout.use_fault_tolerance:
+        raise ConfigError(f"--use-fault-tolerance restarts an engine from the rank that owns it; with {FLAG} {n} "
+                          "an engine is shared by several ranks, which that restart does not reach: drop "
+                          f"--use-fault-tolerance or set {FLAG} 1")
     if not p.colocate:
         if config.rollout.sglang_server_urls:
             return  # attached servers: N is their --tp-size, the GPUs are theirs already
@@ -106,3 +110,40 @@ def check_engine_gpus(config, *, engine: str, world_size: int, local_world_size:
         raise ConfigError(f"{FLAG} {n} colocated: each engine sits on the GPUs of {n} consecutive trainer ranks of "
                           f"one node, but the run has {world_size} rank(s), {local_world_size} on this node "
                           f"(torchrun --nproc-per-node): run a multiple of {n} processes per node")
+
+
+def colocated_engine_seat(config) -> EngineSeat | None:
+    """This rank's seat (with its gloo group) when colocated engines span several GPUs, else None. Collective over
+    the default process group when not None."""
+    n, p = config.parallel.rollout_num_gpus_per_engine, config.parallel
+    if n == 1 or not p.colocate:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(f"{FLAG} {n} colocated needs {n} trainer ranks per engine: run under torchrun")
+    world = dist.get_world_size()
+    return join_engine_groups(colocated_seat(dist.get_rank(), world, n), world)
+
+
+def share_engine_url(seat: EngineSeat, launch) -> tuple[object | None, str]:
+    """Collective over ``seat.group``: the leader runs ``launch()`` (→ ``(engine, url)``) and hands the URL to the
+    other ranks of the engine, which attach to it. Returns ``(engine, url)`` on the leader, ``(None, url)``
+    elsewhere. A failed launch raises on the leader and, naming the leader, on every other rank (none waits
+    for a URL that never comes)."""
+    import torch.distributed as dist
+
+    engine, box = None, [None]
+    if seat.is_leader:
+        try:
+            engine, url = launch()
+            box = [("url", url)]
+        except BaseException as error:
+            box = [("error", f"{type(error).__name__}: {error}")]
+            dist.broadcast_object_list(box, src=seat.leader, group=seat.group)
+            raise
+    dist.broadcast_object_list(box, src=seat.leader, group=seat.group)
+    kind, value = box[0]
+    if kind == "error":
+        raise RuntimeError(f"rank {seat.leader} failed to launch the engine this rank shares: {value}")
+    return engine, value

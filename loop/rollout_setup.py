@@ -34,7 +34,10 @@ def seeded(generate_fn, base_seed: int):
 
 class LoopRollout:
     """``dp``: with several data-parallel ranks, each rank's manager serves its shard of the prompts and
-    ``evaluate`` runs its shard of every eval set, then averages over the ranks (collective: call on all)."""
+    ``evaluate`` runs its shard of every eval set, then averages over the ranks (collective: call on all).
+    ``engine_seat``: this rank's place in a colocated engine of several GPUs (None: the engine is its own)."""
+
+    engine_seat = None
 
     def __init__(self, manager: RolloutManager, engine, tokenizer, eval_sets: list[EvalSet], reward,
                  sft_data: DataSource | None = None, eval_generate_fn=generate_sample,
@@ -104,20 +107,26 @@ def engine_rows(config) -> int:
     return min(r.rollout_batch_size * r.n_samples_per_prompt, 512)
 
 
-def build_engine(config, tokenizer, *, device, dtype, log_dir="logs"):
+def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None):
     """The run's rollout engine: colocated with the trainer (same device), or with ``--no-colocate`` on the
-    engine devices (``engine_devices``): one SGLang server each, or one embedded engine process each (behind an
-    ``EngineGroup`` when several)."""
+    engine devices (``engine_devices``): one SGLang server per ``--rollout-num-gpus-per-engine`` of them, or one
+    embedded engine process each (behind an ``EngineGroup`` when several). ``seat``: this rank's place in a
+    colocated engine of several GPUs (``redline.loop.engine_placement``)."""
     if not config.parallel.colocate:
         if resolve_engine(config) == "sglang":
-            return build_sglang_engine(config, log_dir=log_dir, gpus=[d.index for d in engine_devices(config)])
+            from redline.loop.engine_placement import disaggregated_base_gpus
+
+            first = engine_devices(config)[0].index
+            gpus = disaggregated_base_gpus(config.parallel.rollout_num_gpus,
+                                           config.parallel.rollout_num_gpus_per_engine, first_gpu=first)
+            return build_sglang_engine(config, log_dir=log_dir, gpus=gpus)
         engines = []
         for d in engine_devices(config):
             with only_gpu(d):  # the child sees its GPU as cuda:0, in every one of its threads
                 engines.append(build_embedded_process(config, device=d if d.type == "cpu" else "cuda:0", dtype=dtype))
         return engines[0] if len(engines) == 1 else EngineGroup(engines)
     if resolve_engine(config) == "sglang":
-        return build_sglang_engine(config, log_dir=log_dir)
+        return build_sglang_engine(config, log_dir=log_dir, seat=seat)
     if config.rollout.embedded_engine_process:
         return build_embedded_process(config, device=device, dtype=dtype)
     return build_embedded_engine(config, tokenizer, device=device, dtype=dtype)
@@ -146,23 +155,39 @@ def build_embedded_process(config, *, device, dtype):
                                  seed=config.train.seed)
 
 
-def build_sglang_engine(config, *, log_dir, gpus=None):
+def build_sglang_engine(config, *, log_dir, gpus=None, seat=None):
     """SGLang launched from ``--hf-checkpoint`` — one server on the trainer's GPU, or with ``--no-colocate`` one
-    server on each of ``gpus`` — or attached to ``--sglang-server-urls``. The memory saver is on with
-    ``--offload-rollout``: it is what lets the engine release and resume memory."""
+    server from each of ``gpus`` on — or attached to ``--sglang-server-urls``; each server with tensor-parallel
+    size ``--rollout-num-gpus-per-engine``. With a ``seat`` (colocated, several GPUs per engine) the seat's
+    leader launches the server on its GPU and the next ones, and the other ranks of the seat attach to it. The
+    memory saver is on with ``--offload-rollout``: it is what lets the engine release and resume memory."""
     import torch
 
     from redline.rollout.sglang.engine import SGLangEngine
 
-    r = config.rollout
+    r, tp_size = config.rollout, config.parallel.rollout_num_gpus_per_engine
     if r.sglang_server_urls:
-        return SGLangEngine(list(r.sglang_server_urls))
+        return SGLangEngine(list(r.sglang_server_urls), tp_size=tp_size)
     args = list(r.sglang_args) + ["--mem-fraction-static", str(r.sglang_mem_fraction_static)]
     if not any(a.split("=", 1)[0] in ("--dtype", "--sglang-dtype") for a in args):
         args += ["--dtype", config.model.dtype]  # the trainer's dtype: its buckets load without a cast
     gpus = gpus if gpus is not None else [torch.cuda.current_device()]
-    return SGLangEngine.launch(config.model.hf_checkpoint, num_engines=len(gpus), tp_size=1, sglang_args=args,
-                               base_gpu_ids=gpus, log_dir=log_dir, enable_memory_saver=config.sync.offload_rollout)
+
+    def launch():
+        return SGLangEngine.launch(config.model.hf_checkpoint, num_engines=len(gpus), tp_size=tp_size,
+                                   sglang_args=args, base_gpu_ids=gpus, log_dir=log_dir,
+                                   enable_memory_saver=config.sync.offload_rollout)
+
+    if seat is None:
+        return launch()
+    from redline.loop.engine_placement import share_engine_url
+
+    def launch_with_url():
+        engine = launch()
+        return engine, engine.workers[0].url
+
+    engine, url = share_engine_url(seat, launch_with_url)
+    return engine if engine is not None else SGLangEngine([url], tp_size=tp_size)
 
 
 def trainer_device(config):
@@ -277,8 +302,11 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
                       shuffle=d.rollout_shuffle, **shard)
     reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url,
                           timeout=r.rm_timeout, max_retries=r.rm_max_retries, on_error=r.reward_error)
+    from redline.loop.engine_placement import colocated_engine_seat
+
+    seat = colocated_engine_seat(config)
     engine = watched_engine(config, lambda: build_engine(config, tokenizer, device=device, dtype=dtype,
-                                                         log_dir=log_dir))
+                                                         log_dir=log_dir, seat=seat))
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
                             stop_token_ids=tuple(r.rollout_stop_token_ids), ignore_eos=r.rollout_ignore_eos)
@@ -304,4 +332,6 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
         sft_data = DataSource(sft_dataset, seed=config.train.seed, shuffle=True, **shard)
     # every evaluation draws with the same seeds (its own, not the rollouts'): steps differ only by the weights
     eval_generate_fn = seeded(generate_fn, config.train.seed + 1)
-    return engine, LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn, dp)
+    rollout = LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn, dp)
+    rollout.engine_seat = seat
+    return engine, rollout

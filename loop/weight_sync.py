@@ -96,6 +96,11 @@ class WeightSync:
       (``redline.sync.local``);
     * ``sglang``: SGLang's ``/update_weights_from_tensor`` (the engine packs bucket k+1 while the server loads
       bucket k), then its ``/weights_checker`` hashes against the sent tensors: the only check SGLang offers;
+    * ``sglang-tp``: an SGLang engine of several GPUs colocated with the trainer ranks on them (``seat``, from
+      ``redline.loop.engine_placement``): every rank of the seat packs each bucket on its own GPU and the
+      payloads are gathered to the seat's leader, which sends slime's per-rank list in one request
+      (``redline.sync.sglang.gathered_buckets``); only the leader releases and resumes the engine's memory, and
+      the seat's ranks wait for each other around it. Not checked: ``/weights_checker`` hashes TP shards;
     * ``unchecked``: any other engine's ``update_weights``.
 
     ``check_weights`` (--check-weights): every row of every bucket is checked; otherwise every
@@ -105,8 +110,10 @@ class WeightSync:
     """
 
     def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
-                 check_weights: bool = False, zero_copy: bool | None = None):
-        self.model, self.engine, self.offload = model, engine, offload
+                 check_weights: bool = False, zero_copy: bool | None = None, seat=None):
+        self.model, self.engine, self.offload, self.seat = model, engine, offload, seat
+        # the rank that makes the engine's memory calls: a seat's leader, or the only user of its own engine
+        self.controls_engine = seat is None or seat.is_leader
         self.device = torch.device(device)
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
         self.released = False
@@ -131,6 +138,8 @@ class WeightSync:
             self.mode = in_process_mode(self.device)
             self.local = LocalSender(self.plan, EngineTargets(engine), self.device,
                                      checksum_row_stride=self.row_stride)
+        elif seat is not None:
+            self.mode = "sglang-tp"
         else:
             self.mode = "sglang" if hasattr(engine, "verify_weights") else "unchecked"
 
@@ -138,7 +147,9 @@ class WeightSync:
         """After a rollout: with ``--offload-rollout``, free the engine's weights and KV cache for training
         (``perf/release_time``)."""
         self.timings = {}
-        if self.offload and not self.released:
+        if self.offload and self.seat is not None:  # the engine is idle only once every rank of the seat is
+            await asyncio.to_thread(_barrier, self.seat.group)
+        if self.offload and not self.released and self.controls_engine:
             free_before = free_device_bytes(self.device)
             await self._timed("perf/release_time", self.engine.release_memory({"weights", "kv_cache"}))
             # what the engine gave back to the driver, and takes again on resume (an in-process engine returns its
@@ -165,6 +176,12 @@ class WeightSync:
         if self.released:
             await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
+        if self.seat is not None:
+            # the leader's update (and cache resume) is over: the server let go of every rank's payload, and no
+            # rank generates before the engine has its KV cache back
+            await asyncio.to_thread(_barrier, self.seat.group)
+            if self.device.type == "cuda":
+                torch.cuda.ipc_collect()
 
     async def _sync(self, version: str) -> None:
         if self.sender is not None:  # the engine's own process; blocks this thread, nothing else runs meanwhile
@@ -184,11 +201,29 @@ class WeightSync:
             with device_scope(self.device):
                 self.local.sync(self.model.export_hf())
             await self.engine.update_weights([], version)  # no buckets: publishes the version
+        elif self.mode == "sglang-tp":
+            from redline.sync.sglang import gathered_buckets
+
+            buckets = gathered_buckets(named_buckets(self.plan, self.model.export_hf()), self._serialize_own,
+                                       self.seat.group, list(self.seat.ranks))
+            if self.seat.is_leader:
+                await self.engine.update_weights(buckets, version=version)
+            else:
+                async for _ in buckets:  # this rank's payloads go to the leader
+                    pass
+                self.engine.weight_version = str(version)
         else:
             await self.engine.update_weights(named_buckets(self.plan, self.model.export_hf()), version=version)
             if self.mode == "direct":
                 with device_scope(self.device):
                     self.local.check_copies(self.model.export_hf())
+
+    def _serialize_own(self, bucket) -> str:
+        """This rank's payload of one bucket: CUDA-IPC handles into a fresh flattened buffer on its GPU."""
+        from redline.rollout.sglang.payload import serialize_bucket
+
+        with device_scope(self.device):
+            return serialize_bucket(bucket).per_rank[0]
 
     def _flat_bases(self) -> set[int]:
         return {flat.untyped_storage().data_ptr() for flat in self.flat}
@@ -213,6 +248,9 @@ class WeightSync:
     def describe(self) -> str:
         rows = "every row" if self.row_stride == 1 else f"every {self.row_stride}th row (--check-weights: all)"
         check = {"sglang": "SGLang /weights_checker hashes after each push",
+                 "sglang-tp": f"no check (SGLang's /weights_checker hashes its TP shards; engine TP "
+                              f"{len(self.seat.ranks) if self.seat else 1}, this rank its TP rank "
+                              f"{self.seat.engine_rank if self.seat else 0})",
                  "unchecked": "no check (this engine offers none)",
                  "direct": f"sent vs held bytes, {rows}"}.get(self.mode, f"bucket checksums, {rows}")
         return (f"weight sync: {self.mode}, {describe_plan(self.plan)}{' · offload rollout' if self.offload else ''}"
@@ -330,6 +368,12 @@ class BroadcastWeightSync:
         except TimeoutError:
             raise TimeoutError(f"{what}: no answer from every side within {self.timeout_s + 30:.0f} s "
                                f"(--distributed-timeout-minutes); an engine process may have died") from None
+
+
+def _barrier(group) -> None:
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
 
 
 async def _announced(queue: asyncio.Queue):

@@ -1,0 +1,60 @@
+"""Colocated SGLang engines of several GPUs (``--rollout-num-gpus-per-engine``): slime's per-rank
+``update_weights_from_tensor`` lists, assembled over gloo from fake CUDA-IPC payloads (CPU, one process a rank)."""
+
+import multiprocessing as mp
+
+import pytest
+import engine_tp_procs
+from sync_export import layer_bytes, qwen3_export
+
+from redline.ports import free_port
+from redline.sync.plan import named_buckets, plan_for
+from redline.sync.sglang import gather_rank_payloads
+
+CTX = mp.get_context("fork")  # CPU-only ranks; fork skips re-importing torch
+TIMEOUT_S = 120
+
+
+def run_ranks(world, gpus_per_engine):
+    results, port = CTX.Queue(), free_port()
+    procs = [CTX.Process(target=engine_tp_procs.gather_every_bucket,
+                         args=(rank, world, gpus_per_engine, port, results), daemon=True) for rank in range(world)]
+    for p in procs:
+        p.start()
+    outcome = dict(results.get(timeout=TIMEOUT_S) for _ in procs)
+    for p in procs:
+        p.join(TIMEOUT_S)
+    failed = {r: o for r, o in outcome.items() if isinstance(o, str)}
+    assert not failed, failed
+    return outcome
+
+
+def expected_names():
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    return [",".join(name for name, _ in bucket) for bucket in named_buckets(plan, export)]
+
+
+@pytest.mark.slow  # four processes and a gloo world
+def test_each_engine_leader_gets_one_payload_per_engine_tp_rank_in_rank_order():
+    outcome = run_ranks(world=4, gpus_per_engine=2)
+    buckets = expected_names()
+    assert len(buckets) > 2
+    # engine 0 on ranks 0, 1; engine 1 on ranks 2, 3: the leader's list for bucket k is [its own, the next rank's]
+    for leader, engine in ((0, 0), (2, 1)):
+        assert outcome[leader][:2] == (engine, 0)
+        assert outcome[leader][2] == [(f"rank{leader}:{b}", f"rank{leader + 1}:{b}") for b in buckets]
+    for member, engine in ((1, 0), (3, 1)):
+        assert outcome[member] == (engine, 1, [])  # its payloads went to the leader
+
+
+@pytest.mark.slow
+def test_a_single_engine_over_three_ranks_orders_three_payloads():
+    outcome = run_ranks(world=3, gpus_per_engine=3)
+    assert outcome[0][2] == [tuple(f"rank{r}:{b}" for r in range(3)) for b in expected_names()]
+    assert outcome[1][2] == outcome[2][2] == []
+
+
+def test_engine_ranks_out_of_tp_order_are_refused():
+    with pytest.raises(ValueError, match=r"engine_ranks \[3, 2\] must be in engine TP order"):
+        gather_rank_payloads("payload", group=None, engine_ranks=[3, 2])
