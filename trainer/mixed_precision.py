@@ -29,6 +29,7 @@ import torch.distributed as dist
 from redline.kernels.lm_head_plan import round_up
 
 ALIGN = 64  # elements: every parameter view starts 128-byte aligned in bf16 (TMA and vector loads need 16)
+ALLOCATION_KINDS = ("compute", "main_grad", "master", "moment")  # the device buffers ``allocate`` is asked for
 OFFLOAD_CHUNK = 64 * 2**20  # elements streamed per chunk with offload: 3 fp32 arrays × 256 MiB, double-buffered
 
 
@@ -36,7 +37,8 @@ class FlatGroup:
     """One dtype's trainable parameters as views of ``compute [N]``, with ``main_grad [N] fp32`` and this rank's
     fp32 ``master [hi - lo]`` (on ``master_device``)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int, master_device: torch.device):
+    def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int, master_device: torch.device,
+                 allocate=None):
         self.params = params
         self.dtype, self.device = params[0].dtype, params[0].device
         self.offsets = []
@@ -45,8 +47,9 @@ class FlatGroup:
             self.offsets.append(offset)
             offset = round_up(offset + p.numel(), ALIGN)
         self.numel = round_up(max(offset, 1), ALIGN * world)
-        self.compute = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        self.main_grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        allocate = allocate or _device_zeros(self.device)
+        self.compute = allocate("compute", self.numel, self.dtype)
+        self.main_grad = allocate("main_grad", self.numel, torch.float32)
         with torch.no_grad():
             for p, start in zip(params, self.offsets):
                 view = self.compute[start:start + p.numel()]
@@ -56,7 +59,8 @@ class FlatGroup:
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         shard = self.numel // world
         self.lo, self.hi = rank * shard, (rank + 1) * shard
-        self.master = state_buffer(shard, master_device, self.device)
+        self.master = (allocate("master", shard, torch.float32) if master_device == self.device
+                       else state_buffer(shard, master_device, self.device))
         self.master.copy_(self.compute[self.lo:self.hi])
 
     @property
@@ -84,6 +88,11 @@ def state_buffer(numel: int, where: torch.device, compute_device: torch.device) 
     return buffer
 
 
+def _device_zeros(device: torch.device):
+    """The default ``allocate``: ``torch.zeros`` on ``device`` whatever the kind."""
+    return lambda kind, numel, dtype: torch.zeros(numel, dtype=dtype, device=device)
+
+
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A host copy that later updates of ``tensor`` do not reach (``.cpu()`` of a host tensor is itself)."""
     return tensor.to("cpu", copy=True)
@@ -98,9 +107,11 @@ class MasterWeights:
     """fp32 master weights and fp32 gradient accumulation for ``model``'s trainable parameters (flattened per dtype,
     see the module docstring). ``parallel``: the model's ``redline.trainer.parallel.ParallelState`` (None in one
     process): its DP group shards master and moments (ZeRO-1) and, when TP/PP > 1, its gradients get the TP/PP
-    finalisation and norm. ``offload``: master weights and moments in pinned host memory."""
+    finalisation and norm. ``offload``: master weights and moments in pinned host memory. ``allocate(kind, numel,
+    dtype)``: ``[numel]`` zeros on the parameters' device for each buffer kept there, ``kind`` one of
+    ``ALLOCATION_KINDS`` (``torch.zeros`` by default; ``redline.loop.train_offload`` gives pausable memory)."""
 
-    def __init__(self, model: torch.nn.Module, *, parallel=None, offload: bool = False):
+    def __init__(self, model: torch.nn.Module, *, parallel=None, offload: bool = False, allocate=None):
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("no trainable parameters")
@@ -112,7 +123,8 @@ class MasterWeights:
         for p in trainable:
             by_dtype.setdefault(p.dtype, []).append(p)
         master_device = torch.device("cpu") if offload else trainable[0].device
-        self.groups = [FlatGroup(group, self.dp, rank, master_device) for group in by_dtype.values()]
+        self.allocate = allocate or _device_zeros(trainable[0].device)
+        self.groups = [FlatGroup(group, self.dp, rank, master_device, self.allocate) for group in by_dtype.values()]
         self.params = trainable
         self.grad_scale: torch.Tensor | None = None  # set by reduce_and_clip for the next update
 
@@ -207,9 +219,14 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
         super().__init__([g.master for g in master.groups],
                          dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         for g in master.groups:
-            self.state[g.master] = {"step": 0, **{name: state_buffer(g.master.numel(), g.master.device, g.device)
-                                                  for name in ("exp_avg", "exp_avg_sq")}}
+            self.state[g.master] = {"step": 0, **{name: self._moment(g) for name in ("exp_avg", "exp_avg_sq")}}
         self._staging = None  # offload: two sets of GPU chunk buffers (master, exp_avg, exp_avg_sq), made once
+
+    def _moment(self, group: FlatGroup) -> torch.Tensor:
+        """``[shard]`` fp32 zeros beside ``group``'s master (host with offload, else the master's allocator)."""
+        if group.master.device != group.device:
+            return state_buffer(group.master.numel(), group.master.device, group.device)
+        return self.master.allocate("moment", group.master.numel(), torch.float32)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.master.zero_grad()
