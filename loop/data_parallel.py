@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 COUNT_METRICS = ("rollout/dropped_groups", "rollout/discarded_groups", "rollout/returned_groups",
-                 "rollout/engine_restarts", "rollout/retried_requests")
+                 "rollout/engine_restarts", "rollout/retried_requests", "rollout/samples")
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,8 @@ def run_on_ray(config, config_path=None) -> int:
     ray = require("ray", "--ray-address")
     address = config.parallel.ray_address
     started_here = not ray.is_initialized()
+    # the ranks' lines are the run's console: Ray must not fold the ones that repeat (a resumed step's line)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if started_here:
         ray.init(address=address, include_dashboard=False, logging_level="WARNING",
                  **({"num_cpus": _local_cpus(config)} if address == "local" else {}))

@@ -63,6 +63,7 @@ class LoopRollout:
         arm_injected_fault(self.engine, rollout_id)
         output = await self.manager.generate_rollout()
         output.metrics["data/skipped_records"] = float(self.skipped_records)
+        output.metrics["rollout/samples"] = float(sum(len(group) for group in output.groups))
         output.metrics.update(fault_metrics(self.engine))
         return [s for group in output.groups for s in group], output.metrics
 
