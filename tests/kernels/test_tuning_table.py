@@ -119,8 +119,8 @@ def test_apply_skips_entries_whose_kernel_or_config_changed(toy):
 
 def test_a_seeded_autotuner_runs_the_saved_choice_without_timing_again(toy, tmp_path):
     """End to end under the interpreter: the autotuner builds its own key, tunes, the table keeps the choice, and a
-    fresh cache seeded from the file runs that config for the same key without timing any."""
-    x = torch.zeros(10)
+    fresh cache seeded from the file runs that config for the same key without timing any (compiled on a GPU)."""
+    x = torch.zeros(10, device="cuda" if torch.cuda.is_available() else "cpu")
     TIMED.clear()
     _toy_kernel[(1,)](x, 10, 16)
     assert len(TIMED) == 2 and _toy_kernel.best_config is _toy_kernel.configs[1]
