@@ -50,6 +50,12 @@ class TrainerRank:
     def __init__(self, env: dict[str, str]):
         os.environ.update(env)
 
+    def where(self) -> dict:
+        """Where this rank runs, as the actor sees it: its node id and process id (its engine is its child)."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
     def run(self, config, config_path) -> int:
         from redline.loop.train import run
 
@@ -78,12 +84,13 @@ def run_on_ray(config, config_path=None) -> int:
         group, slots = ray_placement.place(ray, world, use_gpu)
         out = Path(config.checkpoint.output_dir or _fixed_output_dir(config))  # every attempt writes here
         config = _replace(config, "checkpoint", output_dir=str(out))
-        _announce(slots)
+        placement = _rows(slots)
+        _announce(placement)
         try:
-            return _attempts(ray, config, config_path, group, slots, use_gpu, out)
+            return _attempts(ray, config, config_path, group, slots, use_gpu, placement)
         finally:
             if out.is_dir():  # written last: an --overwrite start empties the folder first
-                (out / PLACEMENT_FILE).write_text(json.dumps(_rows(slots), indent=1) + "\n")
+                (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=1) + "\n")
     finally:
         if group is not None:
             ray.util.remove_placement_group(group)
@@ -102,20 +109,22 @@ def _fixed_output_dir(config) -> str:
     return str(output_dir_for(config))
 
 
-def _attempts(ray, config, config_path, group, slots, use_gpu, out: Path) -> int:
+def _attempts(ray, config, config_path, group, slots, use_gpu, placement: list[dict]) -> int:
     from ray.exceptions import RayActorError
 
     restarts = config.checkpoint.max_restarts if config.checkpoint.auto_resume else 0
     for attempt in range(restarts + 1):
         actors = _start_ranks(ray, group, slots, use_gpu, attempt)
         try:
+            for row, seen in zip(placement, ray.get([a.where.remote() for a in actors])):
+                row.setdefault("attempts", []).append(seen)
             return _wait(ray, [a.run.remote(config, config_path) for a in actors])
         except RayActorError as exc:
             if attempt == restarts:
                 print(f"trainer rank died ({type(exc).__name__}); "
                       + ("no restarts left (--max-restarts)" if restarts else "--auto-resume is off"), flush=True)
                 return 1
-            config, where = _resume_config(config, out)
+            config, where = _resume_config(config, Path(config.checkpoint.output_dir))
             print(f"trainer rank died; restart {attempt + 1}/{restarts} from {where}", flush=True)
         finally:
             for actor in actors:
@@ -165,13 +174,14 @@ def _replace(config, section: str, **values):
 
 
 def _rows(slots) -> list[dict]:
-    """The rank → (node, GPU, bundle) map, as ``placement.json`` in the run folder keeps it."""
+    """The rank → (node, GPU, bundle) map, as ``placement.json`` in the run folder keeps it (with, per attempt, the
+    node id and process id each rank's actor reported)."""
     return [{"rank": r, "node_ip": s.node_ip, "node_id": s.node_id, "gpu": s.gpu, "bundle": s.bundle_index}
             for r, s in enumerate(slots)]
 
 
-def _announce(slots) -> None:
-    for row in _rows(slots):
+def _announce(placement: list[dict]) -> None:
+    for row in placement:
         where = f"GPU {row['gpu']}" if row["gpu"] is not None else "CPU bundle"
         print(f"ray: rank {row['rank']} on node {row['node_ip']} ({row['node_id'][:8]}) {where}, bundle "
               f"{row['bundle']}", flush=True)

@@ -136,7 +136,10 @@ class FaultTolerantEngine:
             for slot in self._slots:
                 due = time.monotonic() - slot.started >= self.first_wait
                 if due and slot.ready.is_set() and not await self._answers(slot):
-                    await self._replace(slot)
+                    try:
+                        await self._replace(slot)
+                    except Exception:  # noqa: BLE001 - kept in _failure: every caller waiting for an engine raises it
+                        return
 
     async def _answers(self, slot: _Slot) -> bool:
         try:

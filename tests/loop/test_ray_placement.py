@@ -1,0 +1,57 @@
+"""The pieces of a Ray run that need no Ray runtime: the rank environment of each placement slot, the fault plan of
+``REDLINE_FAULT``, the flags that need ``--ray-address``."""
+
+import pytest
+
+from redline.config import RunConfig
+from redline.configfile import ConfigError, apply_overrides
+from redline.loop import faults
+from redline.loop.ray_launch import check_ray_flags
+from redline.loop.ray_placement import Slot, rank_env
+
+
+def test_each_rank_gets_torchruns_environment_on_its_node():
+    slots = [Slot(3, "10.0.0.1", "a", 0, 29500), Slot(0, "10.0.0.1", "a", 1, 29501),
+             Slot(1, "10.0.0.2", "b", 0, 29502), Slot(2, "10.0.0.2", "b", 1, 29503)]
+    envs = [rank_env(slots, r) for r in range(4)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]  # the GPU id on the node
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("10.0.0.1", "29500")}  # rank 0's node
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+
+
+def test_cpu_bundles_number_their_ranks_within_each_node():
+    slots = [Slot(0, "10.0.0.1", "a", None, 1), Slot(1, "10.0.0.1", "a", None, 2), Slot(2, "10.0.0.1", "b", None, 3)]
+    assert [rank_env(slots, r)["LOCAL_RANK"] for r in range(3)] == ["0", "1", "0"]
+
+
+def test_fault_plan_is_empty_unless_set(monkeypatch):
+    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
+    assert faults.planned() == [] and faults.engine_to_kill(3) is None
+    faults.after_step(0, 4)  # inert: this process lives on
+
+
+def test_fault_plan_names_engine_and_trainer_kills(monkeypatch):
+    monkeypatch.setenv(faults.FAULT_ENV, "kill-engine:1@rollout:3, kill-trainer:0@step:4")
+    monkeypatch.delenv(faults.ATTEMPT_ENV, raising=False)
+    assert faults.planned() == [faults.Fault("kill-engine", 1, 3), faults.Fault("kill-trainer", 0, 4)]
+    assert faults.engine_to_kill(3) == 1 and faults.engine_to_kill(2) is None
+    monkeypatch.setenv(faults.ATTEMPT_ENV, "1")  # a restarted attempt does not die again
+    assert faults.planned() == []
+
+
+@pytest.mark.parametrize("bad", ["kill-engine:0@step:3", "kill-trainer:0", "explode:1@step:2"])
+def test_a_malformed_fault_is_refused_by_name(monkeypatch, bad):
+    monkeypatch.setenv(faults.FAULT_ENV, bad)
+    with pytest.raises(ValueError, match=f"REDLINE_FAULT: '{bad}'"):
+        faults.planned()
+
+
+@pytest.mark.parametrize("flags, flag", [({"auto_resume": True}, "--auto-resume"),
+                                         ({"actor_num_nodes": 2}, "--actor-num-nodes"),
+                                         ({"actor_num_gpus_per_node": 2}, "--actor-num-gpus-per-node")])
+def test_ray_only_flags_need_a_ray_address(flags, flag):
+    with pytest.raises(ConfigError, match=f"{flag} needs --ray-address"):
+        check_ray_flags(apply_overrides(RunConfig(), flags))
+    check_ray_flags(apply_overrides(RunConfig(), {**flags, "ray_address": "local"}))

@@ -1,0 +1,128 @@
+"""``FaultTolerantEngine`` over stand-in engine processes: a dead or hung engine is found within the health-check
+interval, its requests are answered by a healthy engine exactly once, and its replacement gets the weights before
+it serves."""
+
+import asyncio
+import itertools
+
+import pytest
+
+from redline.rollout.fault_tolerance import FaultTolerantEngine
+
+
+class StandIn:
+    """An engine process stand-in: answers each request with ``(name, request)``; ``die()`` makes it stop answering
+    (its calls hang, its health check fails), ``hang()`` makes it stop answering health checks too (no reply)."""
+
+    names = itertools.count()
+
+    def __init__(self):
+        self.name = f"engine{next(self.names)}"
+        self.dead = self.hung = self.killed = False
+        self.weights = None
+        self.served = []
+        self.started = asyncio.Event()  # set once a request is being served (the test kills it then)
+
+    async def generate(self, requests):
+        self.started.set()
+        await asyncio.sleep(0.01)
+        while self.dead or self.hung:
+            await asyncio.sleep(3600)
+        self.served += requests
+        return [(self.name, self.weights, r) for r in requests]
+
+    async def health(self):
+        if self.hung:
+            await asyncio.sleep(3600)
+        return not self.dead
+
+    def kill(self):
+        self.killed = True
+
+    async def shutdown(self):
+        pass
+
+
+def started_engines():
+    made = []
+
+    def start():
+        made.append(StandIn())
+        return made[-1]
+    return made, start
+
+
+@pytest.mark.parametrize("failure", ["dead", "hung"])
+def test_requests_of_a_failed_engine_are_answered_once_by_a_healthy_one(failure):
+    made, start = started_engines()
+
+    async def scenario():
+        engines = FaultTolerantEngine(start, count=2, interval=0.05, timeout=0.1)
+        restored = []
+
+        async def restore(engine):
+            engine.weights = "v3"  # the current weights, before the engine serves
+            restored.append(engine)
+        engines.restore = restore
+        first, second = made
+        setattr(first, failure, True)  # engine 0 takes requests and never answers them
+        results = await asyncio.gather(*(engines.generate([f"r{i}"]) for i in range(6)))
+        await engines.shutdown()
+        return engines, restored, results
+
+    engines, restored, results = asyncio.run(scenario())
+    first, second, replacement = made
+    assert [r[0][2] for r in results] == [f"r{i}" for i in range(6)]  # every request answered, in order, once
+    assert {r[0][0] for r in results} <= {second.name, replacement.name}
+    assert first.killed and restored == [replacement]
+    assert engines.restarts == 1 and engines.retried_requests == 3  # r0, r2, r4 went to engine 0 first
+    assert sorted(second.served + replacement.served) == [f"r{i}" for i in range(6)]
+    assert all(r[0][1] == "v3" for r in results if r[0][0] == replacement.name)
+    assert engines.take_metrics() == {"rollout/engine_restarts": 1.0, "rollout/retried_requests": 3.0}
+    assert engines.take_metrics() == {"rollout/engine_restarts": 0.0, "rollout/retried_requests": 0.0}
+
+
+def test_a_lone_engine_that_dies_serves_its_requests_after_its_restart():
+    made, start = started_engines()
+
+    async def scenario():
+        engines = FaultTolerantEngine(start, interval=0.05, timeout=0.1)
+        engines.restore = lambda engine: asyncio.sleep(0)
+        calls = [asyncio.ensure_future(engines.generate([f"r{i}"])) for i in range(3)]
+        await made[0].started.wait()
+        made[0].dead = True
+        return await asyncio.gather(*calls), engines
+
+    results, engines = asyncio.run(scenario())
+    assert [r[0][0] for r in results] == [made[1].name] * 3 and engines.restarts == 1
+
+
+def test_an_engine_is_not_checked_before_its_first_wait():
+    made, start = started_engines()
+
+    async def scenario():
+        engines = FaultTolerantEngine(start, interval=0.02, timeout=0.05, first_wait=3600)
+        made[0].dead = True
+        call = asyncio.ensure_future(engines.generate(["r0"]))
+        await asyncio.sleep(0.2)
+        call.cancel()
+        return engines
+
+    assert asyncio.run(scenario()).restarts == 0
+
+
+def test_a_failed_restart_fails_the_waiting_calls():
+    made, start = started_engines()
+
+    def start_once():
+        if made:
+            raise RuntimeError("no GPU memory")
+        return start()
+
+    async def scenario():
+        engines = FaultTolerantEngine(start_once, interval=0.05, timeout=0.1)
+        made[0].dead = True
+        await engines.generate(["r0"])
+
+    with pytest.raises(RuntimeError, match="no GPU memory"):
+        asyncio.run(scenario())
