@@ -95,9 +95,10 @@ def tiny_model(folder: Path, *, seed: int = 0) -> Path:
 
 
 def builtin_model(folder: Path, name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                  device: str = "cpu") -> Path:
+                  device: str = "cpu", num_hidden_layers: int | None = None) -> Path:
     """An HF directory (config, safetensors in ``dtype``, tokenizer) of the built-in model ``name`` with random
-    weights drawn on ``device`` (the larger models are quicker to draw on a GPU)."""
+    weights drawn on ``device`` (the larger models are quicker to draw on a GPU). ``num_hidden_layers``: a slice
+    of the model, its shapes with only that many layers (scaling baselines that must fit one GPU)."""
     from transformers import Qwen3Config
 
     from redline.trainer.models import from_config
@@ -105,6 +106,10 @@ def builtin_model(folder: Path, name: str, *, seed: int = 0, dtype: torch.dtype 
     if name not in MODELS:
         raise ValueError(f"--hf-checkpoint builtin:{name}: unknown built-in model (known: {', '.join(MODELS)})")
     fields = dict(MODELS[name])
+    if num_hidden_layers is not None:
+        if num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
+        fields["num_hidden_layers"] = num_hidden_layers
     tokenizer = char_tokenizer(fields.pop("vocab_size", None))
     vocab_size = len(tokenizer)  # every id the model can emit decodes
     folder.mkdir(parents=True, exist_ok=True)
