@@ -1,0 +1,96 @@
+"""Trainer ranks sharing colocated SGLang engines of several GPUs (``--rollout-num-gpus-per-engine``), one process
+each over gloo, for test_engine_placement.py. The CUDA-IPC serialization is replaced by a payload naming the rank
+and the bucket's tensors; the leader's engine talks HTTP to a stand-in SGLang server in its process."""
+
+import asyncio
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from redline.loop.engine_placement import colocated_seat, join_engine_groups, share_engine_url
+
+BUCKET_BYTES = 4096
+
+
+def init(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    return join_engine_groups(colocated_seat(rank, world, world), world)
+
+
+class ExportingModel:
+    """What WeightSync reads of a trainer model: the full HF-named tensors (the same on every rank, as a TP
+    trainer's export gathers them), three layers of two tensors each."""
+
+    def export_hf(self):
+        gen = torch.Generator().manual_seed(0)
+        for i in range(3):
+            for part in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                yield f"model.layers.{i}.{part}", torch.randn(16, 16, generator=gen)
+
+    def parameters(self):
+        return iter(())
+
+
+def push_through_seat(rank, world, port, offload, results):
+    """Every rank builds WeightSync on its seat and runs two release/push rounds; the leader's server records the
+    requests. ``results`` gets (rank, (the server's calls or None, the weight_version this rank's engine holds))."""
+    from redline.loop import weight_sync
+    from redline.rollout.engine import SerializedBucket
+    from redline.rollout.sglang import payload
+    from redline.rollout.sglang.engine import SGLangEngine
+    from tests.rollout.fake_sglang import FakeSGLang
+
+    try:
+        seat = init(rank, world, port)
+        payload.serialize_bucket = lambda bucket, tp_size=1: SerializedBucket(
+            per_rank=(f"rank{rank}:" + ",".join(n for n, _ in bucket),) * tp_size)
+        server = FakeSGLang(version="0.5.23", busy_flushes=0) if seat.is_leader else None
+
+        def launch():
+            server.__enter__()
+            return SGLangEngine([server.url], tp_size=world), server.url
+
+        engine, url = share_engine_url(seat, launch)
+        engine = engine or SGLangEngine([url], tp_size=world)
+        sync = weight_sync.WeightSync(ExportingModel(), engine, bucket_bytes=BUCKET_BYTES, offload=offload,
+                                      seat=seat)
+        assert sync.mode == "sglang-tp" and sync.controls_engine == seat.is_leader, (sync.mode, sync.controls_engine)
+
+        async def rounds():
+            for version in ("1", "2"):
+                await sync.release()
+                await sync.push(version)
+            await engine.shutdown()
+
+        asyncio.run(rounds())
+        calls = [(path, body) for path, body in server.calls if path not in ("/server_info", "/health")] \
+            if server else None
+        results.put((rank, (calls, engine.weight_version, len(sync.plan.buckets), sync.describe())))
+        if server:
+            server.__exit__()
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+
+
+def share_a_launch(rank, world, port, fail, results):
+    """The leader 'launches' (returns a URL, or raises when ``fail``); every rank reports what it got."""
+    try:
+        seat = init(rank, world, port)
+
+        def launch():
+            if fail:
+                raise RuntimeError("no GPU for the server")
+            return "engine-object", "http://127.0.0.1:1234"
+
+        try:
+            outcome = share_engine_url(seat, launch)
+        except RuntimeError as error:
+            outcome = ("raised", str(error))
+        results.put((rank, outcome))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, traceback.format_exc()))
