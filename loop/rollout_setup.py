@@ -16,7 +16,7 @@ from redline.rollout.data import DataSource, PromptDataset
 from redline.rollout.evaluation import EvalSet, evaluate
 from redline.rollout.functions import load_function
 from redline.rollout.generate import generate_sample
-from redline.rollout.manager import RolloutManager
+from redline.rollout.manager import RolloutManager, RolloutOutput
 from redline.rollout.rewards import build_reward
 from redline.rollout.types import SamplingParams
 
@@ -61,7 +61,11 @@ class LoopRollout:
 
     async def generate(self, rollout_id: int):
         arm_injected_fault(self.engine, rollout_id)
-        output = await self.manager.generate_rollout()
+        return self.handed_over(await self.manager.generate_rollout())
+
+    def handed_over(self, output: RolloutOutput):
+        """``(samples, metrics)`` of a rollout's groups for the trainer: the samples in group order, the run's
+        counters added (also for the groups of an async rollout's stream)."""
         output.metrics["data/skipped_records"] = float(self.skipped_records)
         output.metrics["rollout/samples"] = float(sum(len(group) for group in output.groups))
         output.metrics.update(fault_metrics(self.engine))
@@ -117,6 +121,8 @@ def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None)
         if resolve_engine(config) == "sglang":
             from redline.loop.engine_placement import disaggregated_base_gpus
 
+            if config.rollout.sglang_server_urls:  # attached: their GPUs are theirs already
+                return build_sglang_engine(config, log_dir=log_dir)
             first = engine_devices(config)[0].index
             gpus = disaggregated_base_gpus(config.parallel.rollout_num_gpus,
                                            config.parallel.rollout_num_gpus_per_engine, first_gpu=first)
@@ -306,8 +312,9 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
     from redline.loop.engine_placement import colocated_engine_seat
 
     seat = colocated_engine_seat(config)
+    # under TP/PP one engine per model-parallel group, on its leader (DataParallel.holds_engine)
     engine = watched_engine(config, lambda: build_engine(config, tokenizer, device=device, dtype=dtype,
-                                                         log_dir=log_dir, seat=seat))
+                                                         log_dir=log_dir, seat=seat)) if dp.holds_engine else None
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
                             stop_token_ids=tuple(r.rollout_stop_token_ids), ignore_eos=r.rollout_ignore_eos)

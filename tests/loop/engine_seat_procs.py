@@ -94,3 +94,43 @@ def share_a_launch(rank, world, port, fail, results):
         dist.destroy_process_group()
     except Exception:
         results.put((rank, traceback.format_exc()))
+
+
+def embedded_engine_beside_parallel_trainer(rank, world, port, layout, mode, results):
+    """A TP=2 or PP=2 trainer (gloo) with an unsharded in-process embedded engine on every rank: one push must
+    leave each rank's engine holding the whole trained model. ``results`` gets (rank, max |engine - expected|)."""
+    import os
+
+    import transformers
+
+    from redline.loop.weight_sync import IN_PROCESS_ENV, WeightSync
+    from redline.rollout.embedded.engine import EmbeddedEngine
+    from redline.trainer.models import from_config
+    from redline.trainer.parallel import ParallelConfig
+
+    try:
+        os.environ[IN_PROCESS_ENV] = mode
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        config = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          max_position_embeddings=64, tie_word_embeddings=False)
+        parallel = ParallelConfig(tp=2) if layout == "tp2" else ParallelConfig(pp=2)
+        trainer = from_config(config, dtype=torch.float32, device="cpu", seed=0, parallel=parallel)
+        with torch.no_grad():  # stands in for an optimizer step: every shard and stage changes
+            for p in trainer.parameters():
+                p.mul_(1.5).add_(0.25)
+        engine = EmbeddedEngine(from_config(config, dtype=torch.float32, device="cpu", seed=1), max_batch_size=2,
+                                max_seq_len=16)
+        sync = WeightSync(trainer, engine, bucket_bytes=4096, offload=False, device="cpu")
+        asyncio.run(sync.push("1"))
+        expected = from_config(config, dtype=torch.float32, device="cpu", seed=0)
+        with torch.no_grad():
+            for p in expected.parameters():
+                p.mul_(1.5).add_(0.25)
+        held = dict(engine.model.export_hf())
+        diff = max((held[name] - tensor).abs().max().item() for name, tensor in expected.export_hf())
+        results.put((rank, (sync.mode, len(held) == len(dict(expected.export_hf())), diff)))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, traceback.format_exc()))

@@ -163,19 +163,20 @@ class FakeSGLang:
         self.httpd.server_close()
 
 
-def _serve(urls, stop, options):
-    with FakeSGLang(busy_flushes=0, **options) as server:
+def _serve(urls, stop, options, server_cls=FakeSGLang):
+    with server_cls(busy_flushes=0, **options) as server:
         urls.put(server.url)
         stop.wait()
 
 
 @contextlib.contextmanager
-def fake_sglang_process(version="0.5.17", **options):
-    """A ``FakeSGLang`` (no busy flushes; ``options`` as its constructor's) in a spawned process of its own;
-    yields its URL."""
+def fake_sglang_process(version="0.5.17", server_cls=FakeSGLang, **options):
+    """A ``FakeSGLang`` (or ``server_cls``, a subclass; no busy flushes; ``options`` as its constructor's) in a
+    spawned process of its own; yields its URL."""
     context = multiprocessing.get_context("spawn")
     urls, stop = context.Queue(), context.Event()
-    process = context.Process(target=_serve, args=(urls, stop, dict(version=version, **options)), daemon=True)
+    process = context.Process(target=_serve, args=(urls, stop, dict(version=version, **options), server_cls),
+                              daemon=True)
     process.start()
     try:
         yield urls.get(timeout=120)
