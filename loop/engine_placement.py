@@ -4,7 +4,11 @@ Colocated: every trainer rank owns one GPU (``cuda:LOCAL_RANK``), so an engine o
 consecutive ranks of one node: engine ``e`` on global ranks ``e·N .. e·N + N - 1``, engine TP rank ``i`` on the
 GPU of rank ``e·N + i`` (SGLang puts TP rank ``i`` on ``--base-gpu-id + i``). The first of those ranks launches
 the server and makes its control calls; each of the N ranks hands its engine TP rank its own GPU's copy of every
-weight bucket (``redline.sync.sglang.gather_rank_payloads``, over a gloo group of the N ranks).
+weight bucket (``redline.sync.sglang.gather_rank_payloads``, over a gloo group of the N ranks). Under a TP/PP trainer
+(one engine per model-parallel group, on its leader) N is a multiple of TP × PP, so every engine's leader leads a
+model-parallel group; the trainer's HF export gathers TP shards and broadcasts pipeline stages, so every rank of
+the seat holds each bucket's full tensors on its own GPU. Ranks of a seat that generate (data-parallel ranks, or
+the leaders of the other model-parallel groups in it) send their requests to the leader's server.
 
 Disaggregated (``--no-colocate``): the trainer on ``cuda:0``, ``--rollout-num-gpus / N`` engines on the next GPUs,
 engine ``e`` from ``cuda:1 + e·N`` on; the weight-update group is the trainer (rank 0) plus every engine GPU
@@ -102,6 +106,12 @@ def check_engine_gpus(config, *, engine: str, world_size: int, local_world_size:
             raise ConfigError(f"--no-colocate: {FLAG} {n} must divide --rollout-num-gpus {p.rollout_num_gpus} "
                               f"(each engine takes {n} GPUs)")
         return
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if n % model_parallel:
+        # an engine's leader must lead a model-parallel group, the ranks that generate (one engine per group)
+        raise ConfigError(f"{FLAG} {n} colocated with --tensor-model-parallel-size {p.tensor_model_parallel_size} × "
+                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: an engine must span "
+                          f"whole model-parallel groups of {model_parallel} GPUs; use a multiple of {model_parallel}")
     if config.rollout.sglang_server_urls:
         raise ConfigError(f"{FLAG} {n} colocated: the trainer ranks on an engine's GPUs feed it their own copies "
                           "of the weights, so redline must launch it; drop --sglang-server-urls (or use "

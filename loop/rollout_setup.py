@@ -112,11 +112,12 @@ def engine_rows(config) -> int:
     return min(r.rollout_batch_size * r.n_samples_per_prompt, 512)
 
 
-def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None):
+def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None, attach=True):
     """The run's rollout engine: colocated with the trainer (same device), or with ``--no-colocate`` on the
     engine devices (``engine_devices``): one SGLang server per ``--rollout-num-gpus-per-engine`` of them, or one
     embedded engine process each (behind an ``EngineGroup`` when several). ``seat``: this rank's place in a
-    colocated engine of several GPUs (``redline.loop.engine_placement``)."""
+    colocated engine of several GPUs (``redline.loop.engine_placement``); ``attach``: whether this rank, not the
+    seat's leader, gets a client of the leader's server (it generates) or None."""
     if not config.parallel.colocate:
         if resolve_engine(config) == "sglang":
             from redline.loop.engine_placement import disaggregated_base_gpus
@@ -133,7 +134,7 @@ def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None)
                 engines.append(build_embedded_process(config, device=d if d.type == "cpu" else "cuda:0", dtype=dtype))
         return engines[0] if len(engines) == 1 else EngineGroup(engines)
     if resolve_engine(config) == "sglang":
-        return build_sglang_engine(config, log_dir=log_dir, seat=seat)
+        return build_sglang_engine(config, log_dir=log_dir, seat=seat, attach=attach)
     if config.rollout.embedded_engine_process:
         return build_embedded_process(config, device=device, dtype=dtype)
     return build_embedded_engine(config, tokenizer, device=device, dtype=dtype)
@@ -162,12 +163,13 @@ def build_embedded_process(config, *, device, dtype):
                                  seed=config.train.seed)
 
 
-def build_sglang_engine(config, *, log_dir, gpus=None, seat=None):
+def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):
     """SGLang launched from ``--hf-checkpoint`` — one server on the trainer's GPU, or with ``--no-colocate`` one
     server from each of ``gpus`` on — or attached to ``--sglang-server-urls``; each server with tensor-parallel
     size ``--rollout-num-gpus-per-engine``. With a ``seat`` (colocated, several GPUs per engine) the seat's
-    leader launches the server on its GPU and the next ones, and the other ranks of the seat attach to it. The
-    memory saver is on with ``--offload-rollout``: it is what lets the engine release and resume memory."""
+    leader launches the server on its GPU and the next ones, and the other ranks of the seat get a client of it
+    (those that generate, ``attach``; None for the others). The memory saver is on with ``--offload-rollout``:
+    it is what lets the engine release and resume memory."""
     import torch
 
     from redline.rollout.sglang.engine import SGLangEngine
@@ -194,7 +196,9 @@ def build_sglang_engine(config, *, log_dir, gpus=None, seat=None):
         return engine, engine.workers[0].url
 
     engine, url = share_engine_url(seat, launch_with_url)
-    return engine if engine is not None else SGLangEngine([url], tp_size=tp_size)
+    if engine is not None or not attach:
+        return engine
+    return SGLangEngine([url], tp_size=tp_size)
 
 
 def trainer_device(config):
@@ -313,8 +317,12 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
 
     seat = colocated_engine_seat(config)
     # under TP/PP one engine per model-parallel group, on its leader (DataParallel.holds_engine)
-    engine = watched_engine(config, lambda: build_engine(config, tokenizer, device=device, dtype=dtype,
-                                                         log_dir=log_dir, seat=seat)) if dp.holds_engine else None
+    if seat is None:
+        engine = watched_engine(config, lambda: build_engine(config, tokenizer, device=device, dtype=dtype,
+                                                             log_dir=log_dir)) if dp.holds_engine else None
+    else:  # every rank of the seat takes part in its engine's launch (--use-fault-tolerance is refused here)
+        engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, seat=seat,
+                              attach=dp.holds_engine)
     params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
                             stop_token_ids=tuple(r.rollout_stop_token_ids), ignore_eos=r.rollout_ignore_eos)

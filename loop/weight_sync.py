@@ -211,7 +211,8 @@ class WeightSync:
             else:
                 async for _ in buckets:  # this rank's payloads go to the leader
                     pass
-                self.engine.weight_version = str(version)
+                if self.engine is not None:  # a client of the leader's server (this rank generates too)
+                    self.engine.weight_version = str(version)
         else:
             await self.engine.update_weights(named_buckets(self.plan, self.model.export_hf()), version=version)
             if self.mode == "direct":

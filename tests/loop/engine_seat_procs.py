@@ -134,3 +134,54 @@ def embedded_engine_beside_parallel_trainer(rank, world, port, layout, mode, res
         dist.destroy_process_group()
     except Exception:
         results.put((rank, traceback.format_exc()))
+
+
+def tp_trainer_through_seat(rank, world, port, results):
+    """A TP=2 trainer on a seat of 2 (``--rollout-num-gpus-per-engine 2``): rank 0 holds the stand-in server's
+    client, rank 1 generates nothing (engine None) but hands in its own copy of every bucket. The payload names each
+    tensor with the hash of the bytes the rank packed. ``results`` gets (rank, (server calls or None,
+    {hf_name: hash} of the unsharded reference, the sync's mode))."""
+    import transformers
+
+    from redline.loop import weight_sync
+    from redline.rollout.engine import SerializedBucket
+    from redline.rollout.sglang import payload
+    from redline.rollout.sglang.engine import SGLangEngine
+    from redline.trainer.models import from_config
+    from redline.trainer.parallel import ParallelConfig
+    from tests.rollout.fake_sglang import FakeSGLang
+    from tests.rollout.test_sglang_weight_check import byte_hash
+
+    try:
+        seat = init(rank, world, port)
+        payload.serialize_bucket = lambda bucket, tp_size=1: SerializedBucket(per_rank=(
+            f"rank{rank}:" + ";".join(f"{n}={byte_hash(t.contiguous())}" for n, t in bucket),) * tp_size)
+        config = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          max_position_embeddings=64, tie_word_embeddings=False)
+        trainer = from_config(config, dtype=torch.float32, device="cpu", seed=0, parallel=ParallelConfig(tp=2))
+        server = FakeSGLang(version="0.5.23", busy_flushes=0) if seat.is_leader else None
+
+        def launch():
+            server.__enter__()
+            return SGLangEngine([server.url], tp_size=world), server.url
+
+        engine, _ = share_engine_url(seat, launch)  # rank 1 does not generate: no client
+        sync = weight_sync.WeightSync(trainer, engine, bucket_bytes=BUCKET_BYTES, offload=True, seat=seat)
+
+        async def push():
+            await sync.release()
+            await sync.push("1")
+            if engine is not None:
+                await engine.shutdown()
+
+        asyncio.run(push())
+        reference = from_config(config, dtype=torch.float32, device="cpu", seed=0)
+        expected = {name: byte_hash(t.contiguous()) for name, t in reference.export_hf()}
+        calls = [(p, b) for p, b in server.calls if p not in ("/server_info", "/health")] if server else None
+        results.put((rank, (calls, expected, sync.mode)))
+        if server:
+            server.__exit__()
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, traceback.format_exc()))

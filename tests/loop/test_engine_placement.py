@@ -192,3 +192,33 @@ def test_each_bucket_reaches_the_server_as_one_request_with_every_ranks_payload(
     if offload:
         push = ["/release_memory_occupation", "/resume_memory_occupation", *push, "/resume_memory_occupation"]
     assert paths == push * 2
+
+
+@pytest.mark.slow
+def test_every_tp_rank_hands_its_engine_rank_the_full_tensors_of_each_bucket():
+    outcome = run_ranks(engine_seat_procs.tp_trainer_through_seat, 2)
+    assert all(not isinstance(o, str) for o in outcome.values()), outcome
+    calls, expected, mode = outcome[0]
+    assert mode == outcome[1][2] == "sglang-tp" and outcome[1][0] is None
+    updates = [body["serialized_named_tensors"] for path, body in calls if path == "/update_weights_from_tensor"]
+    assert len(updates) > 1
+    sent = {}
+    for engine_rank, payloads in enumerate(zip(*updates)):
+        received = dict(item.split("=") for p in payloads for item in p.split(":", 1)[1].split(";"))
+        assert all(p.startswith(f"rank{engine_rank}:") for p in payloads)  # its own rank's copy, in TP order
+        sent[engine_rank] = {name: int(h) for name, h in received.items()}
+    # each TP rank packed the whole (gathered) tensors, equal to the unsharded model's
+    assert sent[0] == sent[1] == expected
+    paths = [path for path, _ in calls]
+    assert paths[0] == "/release_memory_occupation" and paths[-1] == "/resume_memory_occupation"
+
+
+def test_an_engine_must_span_whole_model_parallel_groups():
+    c = config(rollout_num_gpus_per_engine=2, rollout_engine="sglang", tensor_model_parallel_size=4)
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size 4 × --pipeline-model-parallel-size 1: an "
+                                          "engine must span whole model-parallel groups of 4 GPUs"):
+        check_engine_gpus(c, engine="sglang", world_size=8, local_world_size=8)
+    for n, tp, pp in ((2, 2, 1), (4, 2, 2), (4, 2, 1)):
+        c = config(rollout_num_gpus_per_engine=n, rollout_engine="sglang", tensor_model_parallel_size=tp,
+                   pipeline_model_parallel_size=pp)
+        check_engine_gpus(c, engine="sglang", world_size=8, local_world_size=8)
