@@ -9,7 +9,8 @@ random-weight model of Qwen3-8B's shape (``redline.loop.builtin``; fp32 master w
 
 * acceptance (the whole 8B model, ``--steps`` RL steps, SGLang colocated with ``--rollout-num-gpus-per-engine``):
   ``tp2-sp-sglang2`` TP=2 + SP trainer with one TP=2 SGLang engine on 2 GPUs; with 4 GPUs also ``tp4-sp-sglang4``
-  (TP=4 + SP, one TP=4 engine) and ``pp2-tp2-sp-sglang2`` (PP=2 x TP=2, two TP=2 engines);
+  (TP=4 + SP, one TP=4 engine) and ``pp2-tp2-sp-sglang4`` (PP=2 x TP=2, one engine over the group's 4 GPUs);
+  SP with the bf16 backend on NCCL runs async TP (``tp_overlap="auto"``);
 * scaling (the same model sliced to ``--slice-layers`` layers so that TP=1 fits one GPU, same batch):
   ``slice-tp1`` on 1 GPU, ``slice-tp2-sp`` on 2, ``slice-pp2`` on 2, with 4 GPUs ``slice-tp4-sp``;
   ``scaling_efficiency = t_train(slice-tp1) / (gpus x t_train(run))`` on the median ``perf/train_time`` of the
@@ -71,28 +72,28 @@ class Run:
 
 
 def plan_runs(gpus: int, engine: str, *, scaling: bool = True) -> list[Run]:
-    """The runs ``gpus`` GPUs allow (2 or more). ``engine``: sglang (engines span the trainer's GPUs: one engine
-    per TP group) or embedded (one unsharded engine per GPU)."""
+    """The runs ``gpus`` GPUs allow (2 or more). ``engine``: sglang (one engine per model-parallel group, over its
+    TP x PP GPUs, as redline requires) or embedded (one unsharded engine per model-parallel group)."""
     if gpus < 2:
         raise ValueError(f"issue 17's acceptance needs 2 or 4 GPUs, {gpus} visible")
 
-    def per_engine(tp):
-        return tp if engine == "sglang" else 1
+    def per_engine(tp, pp=1):
+        return tp * pp if engine == "sglang" else 1
 
     sglang = "sglang" if engine == "sglang" else "embedded"
     runs = [Run(f"tp2-sp-{sglang}{per_engine(2)}", 2, tp=2, sp=True, engine=engine, gpus_per_engine=per_engine(2))]
     if gpus >= 4:
         runs += [Run(f"tp4-sp-{sglang}{per_engine(4)}", 4, tp=4, sp=True, engine=engine,
                      gpus_per_engine=per_engine(4)),
-                 Run(f"pp2-tp2-sp-{sglang}{per_engine(2)}", 4, tp=2, pp=2, sp=True, engine=engine,
-                     gpus_per_engine=per_engine(2))]
+                 Run(f"pp2-tp2-sp-{sglang}{per_engine(2, 2)}", 4, tp=2, pp=2, sp=True, engine=engine,
+                     gpus_per_engine=per_engine(2, 2))]
     if scaling:
         layouts = [("slice-tp1", 1, 1, 1, False), ("slice-tp2-sp", 2, 2, 1, True), ("slice-pp2", 2, 1, 2, False)]
         if gpus >= 4:
             layouts.append(("slice-tp4-sp", 4, 4, 1, True))
         # the same engine layout as the acceptance runs; only perf/train_time is compared
-        runs += [Run(name, n, tp=tp, pp=pp, sp=sp, engine=engine, gpus_per_engine=per_engine(tp), model="slice",
-                     role="scaling") for name, n, tp, pp, sp in layouts]
+        runs += [Run(name, n, tp=tp, pp=pp, sp=sp, engine=engine, gpus_per_engine=per_engine(tp, pp),
+                     model="slice", role="scaling") for name, n, tp, pp, sp in layouts]
     return runs
 
 

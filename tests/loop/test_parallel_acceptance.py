@@ -25,9 +25,9 @@ def test_two_gpus_plan_a_colocated_tp2_engine_and_the_scaling_slice():
 def test_four_gpus_add_tp4_and_pp2():
     runs = {r.name: r for r in acceptance.plan_runs(4, "sglang")}
     assert (runs["tp4-sp-sglang4"].tp, runs["tp4-sp-sglang4"].gpus_per_engine) == (4, 4)
-    pp = runs["pp2-tp2-sp-sglang2"]
-    assert (pp.gpus, pp.tp, pp.pp, pp.gpus_per_engine) == (4, 2, 2, 2)
-    assert runs["slice-tp4-sp"].gpus == 4
+    pp = runs["pp2-tp2-sp-sglang4"]  # one engine over the whole model-parallel group
+    assert (pp.gpus, pp.tp, pp.pp, pp.gpus_per_engine) == (4, 2, 2, 4)
+    assert runs["slice-tp4-sp"].gpus == 4 and runs["slice-pp2"].gpus_per_engine == 2
 
 
 def test_without_sglang_every_engine_takes_one_gpu():
