@@ -17,8 +17,9 @@ def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], tp_size: int
     """One flattened CUDA bucket, serialized once per engine TP rank. Keep the tensors alive (and unmodified)
     until the update call returns: the server reads them through IPC.
 
-    Every rank gets the same handle, i.e. reads this GPU (peer access for ``tp_size > 1``); a colocated sync
-    path that holds a copy on each engine GPU should build ``SerializedBucket`` from per-rank payloads instead.
+    Every rank gets the same handle, i.e. reads this GPU (peer access for ``tp_size > 1``); the colocated path
+    with a copy on each engine GPU (``--rollout-num-gpus-per-engine``) serializes with ``tp_size=1`` on each
+    trainer rank and gathers the payloads instead (``redline.sync.sglang.gathered_buckets``).
     """
     require("sglang", "SGLang weight updates")
     from sglang.srt.utils import MultiprocessingSerializer
