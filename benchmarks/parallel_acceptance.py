@@ -20,7 +20,9 @@ Per run: ``OUTDIR/<run>/`` (metrics.jsonl, report.md, phase_times.png) and ``OUT
 ``OUTDIR/acceptance.json`` (every run's command, per-phase medians and step-1 times, GPU memory, scaling) and
 ``OUTDIR/acceptance.md`` (the same as tables). Phases: ``redline.loop.metrics.PHASES`` and their parts; memory:
 ``perf/gpu_mem_gb`` (NVML, the GPU's used memory, sampled through the step; max over the steps) when the run
-sampled it. Exit status: 0 all runs ran and the scaling targets hold, 1 a target missed, 2 a run failed (the
+sampled it. Correctness: the largest ``train/rollout_logprob_abs_diff`` (the engine's log-probs against the
+trainer's on the same tokens) of each run: engine TP ranks loaded with wrong weights (SGLang has no whole-tensor
+check of TP shards) would show as a gap far above the bf16 noise of the single-GPU runs. Exit status: 0 all runs ran and the scaling targets hold, 1 a target missed, 2 a run failed (the
 others still run).
 
 ``--engine``: ``auto`` (SGLang when importable, else the embedded engine, which runs unsharded on every GPU
@@ -169,7 +171,10 @@ def summarize_run(records: list[dict]) -> dict:
         if values:
             phases[key] = {"median_s": statistics.median(values), "step1_s": records[0].get(key)}
     memory = [r["perf/gpu_mem_gb"] for r in records if "perf/gpu_mem_gb" in r]
+    # the engine's log-probs against the trainer's: a wrong weight on any engine TP rank shows here first
+    gaps = [r["train/rollout_logprob_abs_diff"] for r in records if "train/rollout_logprob_abs_diff" in r]
     return {"steps": len(records), "phases": phases, "gpu_mem_gb_max": max(memory) if memory else None,
+            "logprob_gap_max": max(gaps) if gaps else None,
             "reward_mean_last": records[-1].get("rollout/reward_mean")}
 
 
@@ -201,8 +206,9 @@ def markdown(report: dict) -> str:
     keys = ["perf/step_time", "perf/rollout_time", "perf/logprob_time", "perf/train_time",
             "perf/update_weights_time", "perf/sync_time", "perf/offload_rollout_time"]
     lines += ["| run | gpus | TP | PP | SP | engine GPUs | status | " + " | ".join(k.removeprefix("perf/")
-                                                                             for k in keys) + " | GPU mem max (GB) |",
-              "|" + "---|" * (8 + len(keys))]
+                                                                             for k in keys)
+              + " | GPU mem max (GB) | max engine-trainer logp gap |",
+              "|" + "---|" * (9 + len(keys))]
     for name, result in report["runs"].items():
         run, summary = result["run"], result.get("summary", {})
         cells = []
@@ -216,6 +222,8 @@ def markdown(report: dict) -> str:
                 cells.append(f"{phase['median_s']:.3f} ({phase['step1_s']:.3f})")
         memory = summary.get("gpu_mem_gb_max")
         cells.append(f"{memory:.1f}" if memory is not None else "—")
+        gap = summary.get("logprob_gap_max")
+        cells.append(f"{gap:.4f}" if gap is not None else "—")
         lines.append(f"| {name} | {run['gpus']} | {run['tp']} | {run['pp']} | {'yes' if run['sp'] else 'no'} | "
                      f"{run['gpus_per_engine']} | {result['status']} | " + " | ".join(cells) + " |")
     if report["scaling"]:

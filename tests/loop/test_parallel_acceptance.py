@@ -74,6 +74,7 @@ def test_only_refuses_a_run_that_is_not_planned(tmp_path):
 def write_metrics(path, train_times, mem=None):
     path.mkdir(parents=True)
     lines = [json.dumps({"step": i + 1, "perf/step_time": 3 * t, "perf/train_time": t,
+                         "train/rollout_logprob_abs_diff": 0.01 * (i + 1),
                          **({"perf/gpu_mem_gb": mem + i} if mem is not None else {})})
              for i, t in enumerate(train_times)]
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -86,6 +87,7 @@ def test_summary_takes_medians_after_the_first_step_and_the_memory_peak(tmp_path
     assert summary["phases"]["perf/train_time"] == {"median_s": 2.0, "step1_s": 9.0}
     assert summary["phases"]["perf/step_time"]["median_s"] == 6.0
     assert summary["gpu_mem_gb_max"] == 43.0
+    assert summary["logprob_gap_max"] == pytest.approx(0.04)
 
 
 def test_scaling_efficiency_is_the_tp1_time_over_gpus_times_the_parallel_time(tmp_path):
@@ -106,4 +108,7 @@ def test_scaling_efficiency_is_the_tp1_time_over_gpus_times_the_parallel_time(tm
                               "status": "ok", **results[name]} for name in times}}
     text = acceptance.markdown(report)
     assert "| slice-pp2 | 2 | 1.250 | 2.000 | 80.0% | MISSED |" in text
+    # the per-run row: phase medians with step 1 in brackets, no memory sampled, the largest log-prob gap
+    assert "| slice-tp1 | 1 | 1 | 1 | no | 1 | ok | 6.000 (15.000) | — | — | 2.000 (5.000) |" in text
+    assert text.count("| — | 0.0300 |") == 3
     assert "NOT measured" in text  # no SGLang: the summary says the multi-GPU engine did not run
