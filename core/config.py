@@ -174,6 +174,12 @@ class SyncConfig:
     check_weights: bool = option(False, "check every row of every weight-sync bucket on every push (default: "
                                  "every 16th row); with SGLang servers (--no-colocate) it also turns on "
                                  "--check-sglang-weights")
+    offload_train: bool | None = option(None, "colocated: keep the compute weights, gradients, fp32 master weights "
+                                        "and Adam moments in pausable GPU memory, released while the engine "
+                                        "generates (gradients and compute weights rebuilt, the rest kept in "
+                                        "pinned host memory) and restored before the log-probs; needs a CUDA GPU "
+                                        "and redline's native library (default: on with a colocated SGLang "
+                                        "engine, else off)")
     check_sglang_weights: bool = option(False, "--no-colocate with SGLang servers: after each push, compare the "
                                         "servers' /weights_checker hashes of their parameters with the sent "
                                         "tensors (a mismatch stops the run); a colocated SGLang push is always "

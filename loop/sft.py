@@ -1,6 +1,7 @@
 """Supervised fine-tuning on labelled prompts: the ``--sft-steps`` warm-up before RL, or ``--loss-type sft``."""
 
 from redline.loop.batching import aggregation_weight, pack, split_by_token_budget
+from redline.loop.train_offload import ensure_resident
 from redline.rollout.types import Sample
 
 
@@ -41,6 +42,7 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
 
 def sft_rollout(state, tokenizer, rollout_id: int) -> dict[str, float]:
     """``--loss-type sft``: ``--num-steps-per-rollout`` SFT steps, then sync the engine (for eval)."""
+    ensure_resident(state)  # --offload-train paused the trainer at the last push
     results = [sft_step(state, tokenizer) for _ in range(state.config.train.num_steps_per_rollout)]
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
     return {"train/sft_loss": results[-1]["sft_loss"], "train/grad_norm": results[-1]["grad_norm"],

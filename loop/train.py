@@ -1,6 +1,7 @@
 """``redline train``: build the run (validate → model → engine → rollout → worker), warm up, loop, report."""
 
 import asyncio
+import dataclasses
 import time
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +21,7 @@ from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.health import RunHealth
 from redline.loop.progress import RunProgress, summary
 from redline.loop.step import RunState, rl_step
+from redline.loop.train_offload import trainer_resident
 from redline.loop.training_memory import memory_table
 from redline.loop.validate import check_distributed_timeout, loss_config, validate
 from redline.loop.warmup import CompileClock, warm_up, warmup_enabled
@@ -58,6 +60,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
 
     from redline.loop.fault_tolerance import engine_sync
     from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
+    from redline.loop.train_offload import offload_train_enabled, train_offload
     from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
@@ -74,7 +77,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     apply_recompute(model, config.model.recompute)
     loss_cfg = loss_config(config)
     total_steps = config.rollout.num_rollout * config.train.num_steps_per_rollout
-    worker = TrainerWorker(model, config.train, total_steps=total_steps,
+    train_cfg = dataclasses.replace(config.train, offload_train=offload_train_enabled(config))
+    worker = TrainerWorker(model, train_cfg, total_steps=total_steps,
                            # greedy rollouts (temperature 0): log-probs at temperature 1, as the engine takes them
                            temperature=config.rollout.rollout_temperature or 1.0,
                            keep_reference=loss_cfg.kl_coef > 0 or config.algo.kl_coef > 0, dp=dp)
@@ -86,7 +90,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
                                   device=device, parallel=dp.state)
         apply_recompute(decoder, config.model.recompute)
         critic = CriticWorker(decoder,
-                              config.train, total_steps=total_steps, value_clip=config.algo.value_clip,
+                              train_cfg, total_steps=total_steps, value_clip=config.algo.value_clip,
                               lr=config.algo.critic_lr, dp=dp)
     # the engine last: a failure while building the trainer leaves no launched server behind
     loop = asyncio.new_event_loop()
@@ -105,7 +109,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     if config.parallel.colocate:  # a watched engine (--use-fault-tolerance) gets a new WeightSync at each restart
         weight_sync = engine_sync(engine, lambda engine: WeightSync(
             model, engine, bucket_bytes=config.sync.update_weight_buffer_size, offload=config.sync.offload_rollout,
-            device=device, check_weights=config.sync.check_weights, seat=rollout.engine_seat))
+            device=device, check_weights=config.sync.check_weights, seat=rollout.engine_seat,
+            train_offload=train_offload(device) if train_cfg.offload_train else None))
     else:
         weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
                                           bucket_bytes=config.sync.update_weight_buffer_size, device=device,
@@ -312,11 +317,15 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
             progress.warn(warning)
         stopping = dp.sum(float(stop.requested)) > 0  # every rank stops after the same step
         if stopping or (config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0):
-            checkpoint.save(out / "checkpoints", rollout_id, state.worker.model, Path(config.model.hf_checkpoint),
-                            *trainer_state(state), dp=dp)
+            with trainer_resident(state, str(step)):  # --offload-train paused it after the step's push
+                checkpoint.save(out / "checkpoints", rollout_id, state.worker.model,
+                                Path(config.model.hf_checkpoint), *trainer_state(state), dp=dp)
         if stopping:
             stop.stopped_at = step
             break
+    if config.checkpoint.save_hf and stop.stopped_at is None:
+        # the engine is done: its memory goes, the trainer's state comes back (--offload-train), on every rank
+        state.loop.run_until_complete(state.weight_sync.release())
     if config.checkpoint.save_hf and dp.is_main and stop.stopped_at is None:
         state.worker.model.save_pretrained(config.checkpoint.save_hf)
         checkpoint.copy_tokenizer(Path(config.model.hf_checkpoint), Path(config.checkpoint.save_hf))

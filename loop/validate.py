@@ -333,6 +333,24 @@ def check_engine_gpus_here(config, world_size: int) -> None:
                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
+def check_offload_train(config) -> None:
+    """``--offload-train`` (set, or on by default with a colocated SGLang engine) needs a colocated engine, a CUDA
+    GPU and redline's native library."""
+    from redline.loop.train_offload import check_available, offload_train_enabled
+
+    if not offload_train_enabled(config):
+        return
+    if not config.parallel.colocate:
+        raise ConfigError("--offload-train pauses the trainer's memory while a colocated engine generates; with "
+                          "--no-colocate the engines have their own GPUs: drop one of the two flags")
+    try:
+        check_available()
+    except (RuntimeError, OSError) as exc:  # NativeLibraryMissing is a RuntimeError; OSError: a library not loadable
+        default = ("" if config.train.offload_train else
+                   " (on by default with a colocated SGLang engine; --no-offload-train turns it off)")
+        raise ConfigError(f"--offload-train{default}: {exc}") from None
+
+
 def validate(config, world_size: int = 1) -> None:
     """Every check that can fail before a model loads; raises ConfigError naming the flag or file.
     ``world_size``: the data-parallel ranks (``torchrun`` processes) of the run."""
@@ -353,6 +371,7 @@ def validate(config, world_size: int = 1) -> None:
     check_backends(config)
     check_engine(config)
     check_placement(config, world_size)
+    check_offload_train(config)
     check_engine_gpus_here(config, world_size)
     if config.checkpoint.load:
         check_load(config.checkpoint.load, world_size)

@@ -31,6 +31,7 @@ from redline.kernels.tuning_buckets import prefill_shapes, warmup_row_counts
 from redline.loop.batching import MicroBatch
 from redline.loop.rollout_setup import engine_rows
 from redline.loop.step import reuses_old_logp
+from redline.loop.train_offload import ensure_resident
 from redline.rollout.types import GenerateRequest, SamplingParams
 
 WARMUP_ENV = "REDLINE_KERNEL_WARMUP"  # "0": skip the warm-up (first calls then tune and compile inside steps)
@@ -206,6 +207,7 @@ def warm_up(state, console, clock: CompileClock, version: str) -> dict[str, floa
     offload = getattr(state.weight_sync, "offload", False)
     if offload:
         state.loop.run_until_complete(state.weight_sync.release())
+    ensure_resident(state)  # --offload-train: a resumed run's push paused the trainer
     console.print(f"kernel warm-up: tuning the LM-head GEMMs, then the step's kernels at "
                   f"{len(warmup_row_counts(max_micro_batch_tokens(state.config)))} micro-batch sizes and the rollout "
                   f"engine's", highlight=False)

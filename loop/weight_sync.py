@@ -14,6 +14,12 @@ With ``--offload-rollout`` the engine gives its memory back after each rollout a
 colocated sequence of ``redline.rollout.engine``: ``resume_memory({"weights"})`` → ``update_weights`` →
 ``resume_memory({"kv_cache"})``, so the new weights land before the KV cache competes for memory.
 
+With ``--offload-train`` (``redline.loop.train_offload``) the trainer's state is paused around it: gradients,
+master weights and moments before the engine resumes its weights, the compute weights once the push (and its
+check) has read them, both timed as ``perf/pause_train_time``; the GPU memory the paused trainer still holds is
+``perf/trainer_paused_bytes``. The trainer resumes at the next ``release`` (``perf/resume_train_time``), before
+the log-prob phase. Its memory cannot cross CUDA IPC, so the engine process gets the pipelined protocol.
+
 With ``--no-colocate`` (``BroadcastWeightSync``) the engines run on other GPUs (embedded engine processes also on
 the CPU of a CPU machine): the trainer is rank 0 of a ``redline.sync.broadcast`` weight-update group, built the way
 SGLang builds it, and the engines' GPUs the next ranks; every push broadcasts the plan's buckets (NCCL on GPUs,
@@ -106,12 +112,17 @@ class WeightSync:
     ``check_weights`` (--check-weights): every row of every bucket is checked; otherwise every
     ``SAMPLED_ROW_STRIDE``-th row (and each bucket's last). A mismatch raises ``ChecksumMismatch`` (SGLang:
     ``WeightsMismatch``) naming the buckets (parameters). ``timings`` holds the last release's and push's
-    phases in seconds under their ``perf/*`` names (the parts of ``redline.loop.metrics.PHASE_PARTS``).
+    phases in seconds under their ``perf/*`` names (the parts of ``redline.loop.metrics.PHASE_PARTS``), and
+    ``perf/trainer_paused_bytes`` where the trainer was paused (or, engine offloaded, only made room).
+    ``train_offload``: the trainer's ``TrainOffload`` with ``--offload-train`` (see the module docstring).
     """
 
     def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
-                 check_weights: bool = False, zero_copy: bool | None = None, seat=None):
+                 check_weights: bool = False, zero_copy: bool | None = None, seat=None, train_offload=None):
         self.model, self.engine, self.offload, self.seat = model, engine, offload, seat
+        self.train = train_offload  # redline.loop.train_offload.TrainOffload (--offload-train) or None
+        if train_offload is not None:
+            zero_copy = False  # pausable memory cannot be exported over CUDA IPC
         # the rank that makes the engine's memory calls: a seat's leader, or the only user of its own engine
         self.controls_engine = seat is None or seat.is_leader
         self.device = torch.device(device)
@@ -156,6 +167,13 @@ class WeightSync:
             # memory to the shared caching allocator instead: 0 here)
             self.engine_bytes = free_device_bytes(self.device) - free_before
             self.released = True
+        await self.resume_train()
+
+    async def resume_train(self) -> None:
+        """``--offload-train``: the trainer's paused state back before it trains or takes log-probs
+        (``perf/resume_train_time``)."""
+        if self.train is not None and self.train.paused:
+            await self._timed("perf/resume_train_time", self._run(self.train.resume))
 
     async def _make_room(self) -> None:
         """Give the trainer's cached, unused blocks back to the driver only when the engine's memory would not
@@ -167,12 +185,23 @@ class WeightSync:
     async def push(self, version: str) -> None:
         """Send the model's current weights to the engine as ``version`` and check them, taking back released
         memory around the update (weights first, KV cache after)."""
-        if self.released:
+        if self.train is not None:
+            await self.resume_train()  # paused without the rollout's release between (a restarted engine)
+            await self._timed("perf/pause_train_time", self._run(self.train.pause_state))
+        elif self.released:
             await self._timed("perf/pause_train_time", self._make_room())
+            if self.device.type == "cuda":
+                self.timings["perf/trainer_paused_bytes"] = torch.cuda.memory_reserved(self.device)
+        if self.released:
             await self._timed("perf/resume_weights_time", self.engine.resume_memory({"weights"}))
         await self._timed("perf/sync_time", self._sync(version))
         if self.mode == "sglang":
             await self._timed("perf/check_weights_time", self.engine.verify_weights(self.model.export_hf()))
+        if self.train is not None:  # the compute weights last: the push and its check read them
+            state_seconds = self.timings["perf/pause_train_time"]
+            await self._timed("perf/pause_train_time", self._run(self.train.pause_weights))
+            self.timings["perf/pause_train_time"] += state_seconds
+            self.timings["perf/trainer_paused_bytes"] = self.train.residual_bytes()
         if self.released:
             await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
@@ -226,6 +255,10 @@ class WeightSync:
         with device_scope(self.device):
             return serialize_bucket(bucket).per_rank[0]
 
+    async def _run(self, fn) -> None:
+        with device_scope(self.device):
+            fn()
+
     def _flat_bases(self) -> set[int]:
         return {flat.untyped_storage().data_ptr() for flat in self.flat}
 
@@ -254,8 +287,13 @@ class WeightSync:
                               f"{self.seat.engine_rank if self.seat else 0})",
                  "unchecked": "no check (this engine offers none)",
                  "direct": f"sent vs held bytes, {rows}"}.get(self.mode, f"bucket checksums, {rows}")
+        train = ""
+        if self.train is not None:
+            plan = self.train.make_plan()
+            train = (f" · offload train: {plan.device_bytes / 2**30:.2f} GiB released while the engine generates, "
+                     f"{plan.host_bytes / 2**30:.2f} GiB of it kept in pinned host memory")
         return (f"weight sync: {self.mode}, {describe_plan(self.plan)}{' · offload rollout' if self.offload else ''}"
-                f" · {check}")
+                f" · {check}{train}")
 
 
 class BroadcastWeightSync:

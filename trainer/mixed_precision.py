@@ -35,7 +35,7 @@ OFFLOAD_CHUNK = 64 * 2**20  # elements streamed per chunk with offload: 3 fp32 a
 
 class FlatGroup:
     """One dtype's trainable parameters as views of ``compute [N]``, with ``main_grad [N] fp32`` and this rank's
-    fp32 ``master [hi - lo]`` (on ``master_device``)."""
+    fp32 ``master [hi - lo]`` (on ``master_device``; None: beside the compute weights, from ``allocate``)."""
 
     def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int, master_device: torch.device,
                  allocate=None):
@@ -59,7 +59,7 @@ class FlatGroup:
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         shard = self.numel // world
         self.lo, self.hi = rank * shard, (rank + 1) * shard
-        self.master = (allocate("master", shard, torch.float32) if master_device == self.device
+        self.master = (allocate("master", shard, torch.float32) if master_device is None
                        else state_buffer(shard, master_device, self.device))
         self.master.copy_(self.compute[self.lo:self.hi])
 
@@ -122,7 +122,7 @@ class MasterWeights:
         by_dtype: dict[torch.dtype, list] = {}
         for p in trainable:
             by_dtype.setdefault(p.dtype, []).append(p)
-        master_device = torch.device("cpu") if offload else trainable[0].device
+        master_device = torch.device("cpu") if offload else None
         self.allocate = allocate or _device_zeros(trainable[0].device)
         self.groups = [FlatGroup(group, self.dp, rank, master_device, self.allocate) for group in by_dtype.values()]
         self.params = trainable
@@ -224,7 +224,7 @@ class MixedPrecisionAdamW(torch.optim.Optimizer):
 
     def _moment(self, group: FlatGroup) -> torch.Tensor:
         """``[shard]`` fp32 zeros beside ``group``'s master (host with offload, else the master's allocator)."""
-        if group.master.device != group.device:
+        if self.master.offload:
             return state_buffer(group.master.numel(), group.master.device, group.device)
         return self.master.allocate("moment", group.master.numel(), torch.float32)
 

@@ -1,0 +1,232 @@
+"""``--offload-train``: the trainer's state in pausable memory, paused while the colocated engine generates.
+
+Where it lives. ``MasterWeights`` asks ``TrainOffload.allocate`` for every buffer it keeps on the GPU — the
+compute weights, the fp32 main grads, the fp32 master shard and (through ``MixedPrecisionAdamW``) the Adam
+moments — and gets ``redline.sync.memory.PausableMemory.zeros``: one native allocation per buffer, so each can
+be released on its own and comes back at the same address (parameters stay views of it).
+
+The plan (``OffloadPlan``, made at each pause from the buffers alive then) says what happens to each group:
+
+* gradients: dropped; zeros on resume (every step starts from zero gradients);
+* compute weights: dropped and rebuilt from the fp32 master weights on resume (``MasterWeights.publish``: the
+  optimizer writes the compute weights as the rounded masters, so the rebuild is bit-exact) when the masters
+  are in this memory; with ``--optimizer-cpu-offload`` (masters in host memory) kept in pinned host memory;
+* master weights and Adam moments: to pinned host memory (made once, reused by every later pause).
+
+When. The weight push reads the compute weights, so the pause has two stages (``redline.loop.weight_sync``):
+``pause_state`` (everything but the compute weights, then ``torch.cuda.empty_cache`` for activations and
+caches) before the engine takes its weights back, ``pause_weights`` after the push; ``resume`` once the engine
+has released its memory after the rollout, before the log-prob phase.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from redline.loop.training_memory import size as _size
+from redline.trainer.mixed_precision import MasterWeights
+
+ACTIONS = {"zeros": "dropped; zeros on resume",
+           "rebuild": "dropped; rebuilt from the fp32 master weights on resume",
+           "host": "kept in pinned host memory"}
+STATE, WEIGHTS = "state", "weights"  # the stages: before the engine resumes its weights, after the push
+
+
+def offload_train_enabled(config) -> bool:
+    """``--offload-train`` as set, else on with a colocated SGLang engine (slime's ``--colocate``) and off
+    otherwise."""
+    from redline.loop.rollout_setup import resolve_engine
+
+    if config.train.offload_train is not None:
+        return config.train.offload_train
+    return config.parallel.colocate and resolve_engine(config) == "sglang"
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """One group of the trainer's state: what the pause does to it (``ACTIONS``), at which stage, its buffers,
+    the device bytes the pause releases (allocations rounded to the driver's granularity) and the bytes copied
+    to pinned host memory at the pause (and back at resume)."""
+
+    name: str
+    action: str
+    stage: str
+    tensors: tuple[torch.Tensor, ...]
+    device_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    groups: tuple[PlanGroup, ...]
+
+    def stage(self, stage: str) -> list[PlanGroup]:
+        return [g for g in self.groups if g.stage == stage]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(g.device_bytes for g in self.groups)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(g.host_bytes for g in self.groups)
+
+    def table(self) -> list[str]:
+        """Markdown: one row per group, then the totals."""
+        lines = ["| state | while the engine generates | released on the GPU | pinned host |",
+                 "| --- | --- | ---: | ---: |"]
+        for g in self.groups:
+            lines.append(f"| {g.name} | {ACTIONS[g.action]} | {_size(g.device_bytes)} | {_size(g.host_bytes)} |")
+        lines.append(f"| all | | {_size(self.device_bytes)} | {_size(self.host_bytes)} |")
+        return lines
+
+
+class TrainOffload:
+    """The trainer's pausable state: ``allocate`` (a ``MasterWeights`` allocator), ``track`` (each
+    ``MasterWeights`` made with it), then per step ``pause_state`` → ``pause_weights`` → ``resume``.
+    ``memory``: a ``PausableMemory`` (its host imitation in the CPU tests)."""
+
+    def __init__(self, memory):
+        self.memory = memory
+        self.device = memory.device
+        self._masters: list[weakref.ref] = []
+        self._moments: list[weakref.ref] = []
+        self.plan: OffloadPlan | None = None  # the plan of the pause in progress (None: resident)
+        self.stage: str | None = None  # the last stage paused, None while resident
+        self.cache_bytes = 0  # the caching allocator's reserved bytes after the state's pause (empty_cache)
+
+    @property
+    def paused(self) -> bool:
+        return self.stage is not None
+
+    def allocate(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``MasterWeights``' ``allocate``: ``[numel]`` zeros in pausable memory (moments remembered here, the
+        other kinds reached through their ``MasterWeights``)."""
+        tensor = self.memory.zeros(numel, dtype)
+        if kind == "moment":
+            self._moments.append(weakref.ref(tensor))
+        return tensor
+
+    def track(self, master: MasterWeights) -> MasterWeights:
+        """Remember ``master`` (made with ``allocate``) for the plan and the rebuild; returns it."""
+        self._masters.append(weakref.ref(master))
+        return master
+
+    def masters(self) -> list[MasterWeights]:
+        return [m for m in (ref() for ref in self._masters) if m is not None]
+
+    def make_plan(self) -> OffloadPlan:
+        """The plan for the state alive now (an optimizer dropped since, like the SFT warm-up's, is gone)."""
+        compute = {"rebuild": [], "host": []}
+        grads, masters = [], []
+        for m in self.masters():
+            compute["host" if m.offload else "rebuild"] += [g.compute for g in m.groups]
+            grads += [g.main_grad for g in m.groups]
+            if not m.offload:
+                masters += [g.master for g in m.groups]
+        moments = [t for t in (ref() for ref in self._moments) if t is not None]
+        specs = [("gradients (fp32 main grad)", "zeros", STATE, grads),
+                 ("master weights (fp32)", "host", STATE, masters),
+                 ("Adam moments (fp32)", "host", STATE, moments),
+                 ("compute weights", "rebuild", WEIGHTS, compute["rebuild"]),
+                 ("compute weights", "host", WEIGHTS, compute["host"])]
+        return OffloadPlan(tuple(self._group(*spec) for spec in specs if spec[3]))
+
+    def _group(self, name: str, action: str, stage: str, tensors: list[torch.Tensor]) -> PlanGroup:
+        device = sum(self.memory.allocation_bytes(t) for t in tensors)
+        host = sum(t.untyped_storage().nbytes() for t in tensors) if action == "host" else 0
+        return PlanGroup(name, action, stage, tuple(tensors), device, host)
+
+    def pause_state(self) -> None:
+        """Stage one: gradients, master weights and moments paused by the plan, then the cached blocks of
+        activations and other temporaries given back to the driver. Waits for all queued device work."""
+        if self.paused:
+            return
+        self.plan = self.make_plan()
+        self._pause(self.plan.stage(STATE))
+        self.stage = STATE
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            self.cache_bytes = torch.cuda.memory_reserved(self.device)
+
+    def pause_weights(self) -> None:
+        """Stage two, after the push has read them: the compute weights paused by the plan."""
+        if self.stage != STATE:
+            raise RuntimeError(f"TrainOffload.pause_weights: the state must be paused first (stage {self.stage})")
+        self._pause(self.plan.stage(WEIGHTS))
+        self.stage = WEIGHTS
+
+    def _pause(self, groups: list[PlanGroup]) -> None:
+        tensors = [t for g in groups for t in g.tensors]
+        self.memory.pause_tensors(tensors, [g.action == "host" for g in groups for _ in g.tensors])
+
+    @torch.no_grad()
+    def resume(self) -> None:
+        """Everything paused mapped back at the same addresses, kept contents restored, gradients zeroed and the
+        dropped compute weights rebuilt from the master weights (gathered over data parallelism)."""
+        if not self.paused:
+            return
+        self.memory.resume()
+        for group in self.plan.groups:
+            if group.action == "zeros":
+                for t in group.tensors:
+                    t.zero_()
+        if any(g.action == "rebuild" and g.stage == self.stage for g in self.plan.groups):
+            for m in self.masters():
+                if not m.offload:
+                    m.publish()
+        self.stage, self.plan = None, None
+
+    def residual_bytes(self) -> int:
+        """GPU memory the paused trainer still holds: the caching allocator's blocks after the state's pause
+        (tensors outside pausable memory: the reference model, buffers, sync staging; with an in-process engine
+        also what the engine keeps while released) and the pausable allocations still mapped."""
+        return self.cache_bytes + self.memory.stats()["mapped_bytes"]
+
+
+@lru_cache(maxsize=None)
+def train_offload(device: torch.device) -> TrainOffload:
+    """The process's ``TrainOffload`` on ``device`` (the native allocator is one per process)."""
+    from redline.sync.memory import PausableMemory
+
+    return TrainOffload(PausableMemory(device))
+
+
+def check_available() -> None:
+    """What ``--offload-train`` needs, or the reason it cannot run: a CUDA GPU and redline's native library
+    (``NativeLibraryMissing``'s message says how to build it)."""
+    from redline.sync.memory import load_native, native_library_path
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("it pauses the trainer's GPU memory and needs a CUDA GPU; none is visible")
+    load_native(str(native_library_path()))
+
+
+def trainer_of(weight_sync) -> TrainOffload | None:
+    return getattr(weight_sync, "train", None)
+
+
+def ensure_resident(state) -> None:
+    """Resume the trainer's state when ``--offload-train`` left it paused (before training outside a step)."""
+    offload = trainer_of(state.weight_sync)
+    if offload is not None and offload.paused:
+        state.loop.run_until_complete(state.weight_sync.resume_train())
+
+
+@contextmanager
+def trainer_resident(state, version: str):
+    """The trainer's state readable inside the block (a checkpoint, an export). When ``--offload-train`` had
+    paused it, the engine's memory is released first (with ``--offload-rollout``) and the engine gets weights
+    ``version`` back after, through the usual push (which pauses the trainer again)."""
+    offload = trainer_of(state.weight_sync)
+    paused = offload is not None and offload.paused
+    if paused:
+        state.loop.run_until_complete(state.weight_sync.release())
+    yield
+    if paused:
+        state.loop.run_until_complete(state.weight_sync.push(version))

@@ -1,0 +1,219 @@
+"""--offload-train: the trainer's state in pausable memory, paused by its plan and resumed unchanged.
+
+Runs on the native allocator's host imitation of the driver (``PausableMemory.host_imitation``): the same
+bookkeeping as on a GPU, with host memory mapped and unmapped in place of device memory."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from redline.configfile import ConfigError
+from redline.loop.train_offload import TrainOffload
+from redline.sync.memory import NativeLibraryMissing, PausableMemory, native_library_path
+from redline.trainer.mixed_precision import MasterWeights, MixedPrecisionAdamW
+from redline.trainer.models import from_config
+
+PAGE = 4096  # the imitation's allocation granularity
+STEPS = 3
+
+
+@pytest.fixture
+def memory(tmp_path):
+    """A private copy of the native library (its own allocations) on its host imitation of the driver."""
+    try:
+        library = native_library_path()
+    except NativeLibraryMissing as exc:
+        pytest.skip(f"the native library is not built here: {exc}")
+    copy = tmp_path / "libredline_native_offload.so"
+    shutil.copy(library, copy)
+    return PausableMemory.host_imitation(copy)
+
+
+def bf16_model(seed=0):
+    config = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=False)
+    return from_config(config, dtype=torch.bfloat16, seed=seed, device="cpu")
+
+
+def trainer(offload: TrainOffload | None, *, cpu_offload: bool = False):
+    """A bf16 model with fp32 master weights and AdamW, its device buffers from ``offload`` when given."""
+    model = bf16_model()
+    master = MasterWeights(model, offload=cpu_offload, allocate=offload.allocate if offload else None)
+    if offload:
+        offload.track(master)
+    return model, master, MixedPrecisionAdamW(master, lr=1e-3, weight_decay=0.1)
+
+
+def train_step(model, master, optimizer, step: int) -> float:
+    generator = torch.Generator().manual_seed(step)
+    input_ids = torch.randint(0, model.hf_config.vocab_size, (12,), generator=generator)
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model.logits(input_ids, cu_seqlens).float()[:-1], input_ids[1:])
+    loss.backward()
+    master.reduce_and_clip(1.0)
+    optimizer.step()
+    return loss.item()
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``tensor`` (a bit-exact comparison, NaN payloads and signed zeros included)."""
+    return tensor.detach().contiguous().view(torch.uint8).clone()
+
+
+def state_bits(master, optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, g in enumerate(master.groups):
+        state = optimizer.state[g.master]
+        out.update({f"{i}.compute": bits(g.compute), f"{i}.master": bits(g.master),
+                    f"{i}.exp_avg": bits(state["exp_avg"]), f"{i}.exp_avg_sq": bits(state["exp_avg_sq"])})
+    return out
+
+
+def pause_and_resume(offload: TrainOffload) -> None:
+    offload.pause_state()
+    offload.pause_weights()
+    offload.resume()
+
+
+def test_after_resume_weights_masters_and_moments_are_bit_exact_at_the_same_addresses_and_grads_zero(memory):
+    offload = TrainOffload(memory)
+    model, master, optimizer = trainer(offload)
+    train_step(model, master, optimizer, 0)
+    before = state_bits(master, optimizer)
+    addresses = [p.data_ptr() for p in model.parameters()]
+    assert any(bool(g.main_grad.any()) for g in master.groups)  # the step left gradients behind
+    pause_and_resume(offload)
+    assert state_bits(master, optimizer).keys() == before.keys()
+    for name, value in state_bits(master, optimizer).items():
+        assert torch.equal(value, before[name]), name
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    assert all(not g.main_grad.any() for g in master.groups)
+    assert not offload.paused
+
+
+def test_training_continues_identically_to_a_run_without_offload(memory):
+    offload = TrainOffload(memory)
+    plain, paused = trainer(None), trainer(offload)
+    for step in range(STEPS):
+        assert train_step(*paused, step) == train_step(*plain, step)
+        pause_and_resume(offload)
+    expected, got = state_bits(*plain[1:]), state_bits(*paused[1:])
+    for name, value in got.items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_the_plan_drops_gradients_rebuilds_compute_weights_and_keeps_masters_and_moments(memory):
+    offload = TrainOffload(memory)
+    model, master, optimizer = trainer(offload)
+    plan = offload.make_plan()
+    assert [(g.name, g.action, g.stage) for g in plan.groups] == [
+        ("gradients (fp32 main grad)", "zeros", "state"), ("master weights (fp32)", "host", "state"),
+        ("Adam moments (fp32)", "host", "state"), ("compute weights", "rebuild", "weights")]
+    (group,) = master.groups
+    numel, shard = group.numel, group.master.numel()
+    rounded = lambda nbytes: -(-nbytes // PAGE) * PAGE
+    expected_device = {"gradients (fp32 main grad)": rounded(4 * numel), "master weights (fp32)": rounded(4 * shard),
+                       "Adam moments (fp32)": 2 * rounded(4 * shard), "compute weights": rounded(2 * numel)}
+    expected_host = {"master weights (fp32)": 4 * shard, "Adam moments (fp32)": 8 * shard}
+    for g in plan.groups:
+        assert g.device_bytes == expected_device[g.name], g.name
+        assert g.host_bytes == expected_host.get(g.name, 0), g.name
+    assert plan.device_bytes == sum(expected_device.values()) and plan.host_bytes == 12 * shard
+
+
+def test_each_stage_releases_what_the_plan_says_and_the_paused_trainer_holds_nothing_pausable(memory):
+    offload = TrainOffload(memory)
+    trainer(offload)
+    plan = offload.make_plan()
+    mapped = memory.stats()["mapped_bytes"]
+    assert mapped == plan.device_bytes  # everything the trainer allocated is in the plan
+    offload.pause_state()
+    state = sum(g.device_bytes for g in plan.stage("state"))
+    assert memory.stats()["mapped_bytes"] == mapped - state
+    assert memory.stats()["host_backup_bytes"] == plan.host_bytes
+    offload.pause_weights()
+    assert memory.stats()["mapped_bytes"] == 0 and offload.residual_bytes() == 0
+    offload.resume()
+    assert memory.stats()["mapped_bytes"] == mapped
+
+
+def test_with_optimizer_cpu_offload_the_compute_weights_go_to_pinned_host_memory(memory):
+    offload = TrainOffload(memory)
+    model, master, optimizer = trainer(offload, cpu_offload=True)
+    plan = offload.make_plan()
+    assert [(g.name, g.action) for g in plan.groups] == [("gradients (fp32 main grad)", "zeros"),
+                                                         ("compute weights", "host")]
+    train_step(model, master, optimizer, 0)
+    before = state_bits(master, optimizer)
+    pause_and_resume(offload)
+    for name, value in state_bits(master, optimizer).items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_dropped_optimizers_moments_leave_the_plan(memory):
+    offload = TrainOffload(memory)
+    model, master, optimizer = trainer(offload)
+    warm_up = MixedPrecisionAdamW(master, lr=1e-3)  # the SFT warm-up's own moments
+    moments = lambda: next(g for g in offload.make_plan().groups if g.name == "Adam moments (fp32)")
+    assert len(moments().tensors) == 4
+    del warm_up
+    assert len(moments().tensors) == 2
+
+
+def test_pause_weights_needs_the_state_paused_first(memory):
+    offload = TrainOffload(memory)
+    trainer(offload)
+    with pytest.raises(RuntimeError, match="state must be paused first"):
+        offload.pause_weights()
+
+
+# ----- the flag ---------------------------------------------------------------------------------------------
+
+def offload_config(tmp_path, **overrides):
+    from .test_train import small_config
+
+    return small_config(tmp_path, **overrides)
+
+
+def test_the_flag_is_off_by_default_with_the_embedded_engine_and_on_with_colocated_sglang(tmp_path, monkeypatch):
+    from redline.loop import rollout_setup
+    from redline.loop.train_offload import offload_train_enabled
+
+    assert not offload_train_enabled(offload_config(tmp_path))
+    assert offload_train_enabled(offload_config(tmp_path, offload_train="true"))
+    monkeypatch.setattr(rollout_setup, "resolve_engine", lambda config: "sglang")
+    assert offload_train_enabled(offload_config(tmp_path))
+    assert not offload_train_enabled(offload_config(tmp_path, offload_train="false"))
+    assert not offload_train_enabled(offload_config(tmp_path, colocate="false"))
+
+
+def test_start_up_refuses_it_without_a_gpu_naming_the_flag(tmp_path):
+    from redline.loop.validate import check_offload_train
+
+    with pytest.raises(ConfigError, match="--offload-train: .*needs a CUDA GPU"):
+        check_offload_train(offload_config(tmp_path, offload_train="true"))
+
+
+def test_start_up_refuses_it_without_the_native_library_saying_how_to_build_it(tmp_path, monkeypatch):
+    from redline.loop import rollout_setup
+    from redline.loop.validate import check_offload_train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("REDLINE_NATIVE_LIBRARY", str(tmp_path / "absent.so"))
+    with pytest.raises(ConfigError, match="--offload-train: .*absent.so.*cmake"):
+        check_offload_train(offload_config(tmp_path, offload_train="true"))
+    monkeypatch.setattr(rollout_setup, "resolve_engine", lambda config: "sglang")  # on by default: says so
+    with pytest.raises(ConfigError, match="--offload-train \\(on by default .*--no-offload-train"):
+        check_offload_train(offload_config(tmp_path))
+
+
+def test_start_up_refuses_it_with_engines_on_other_gpus(tmp_path):
+    from redline.loop.validate import check_offload_train
+
+    with pytest.raises(ConfigError, match="--offload-train .*--no-colocate"):
+        check_offload_train(offload_config(tmp_path, offload_train="true", colocate="false"))
