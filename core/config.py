@@ -93,6 +93,17 @@ class RolloutConfig:
     dynamic_sampling_filter_path: str | None = option(None, "group filter 'module:function'")
     custom_generate_function_path: str | None = option(None, "custom generate 'module:function' (multi-turn, tools)")
     partial_rollout: bool = option(False, "return unfinished groups to the buffer")
+    async_rollout: Literal["off", "one-step", "full"] = option(
+        "off", "overlap rollout and training (--no-colocate only): one-step (the engines generate rollout k+1 "
+        "while the trainer trains on k) or full (a generation stream keeps --max-inflight trajectories in flight "
+        "across weight updates, which interrupt them: they continue with the new weights); redline.loop."
+        "async_schedule")
+    max_inflight: int | None = option(None, "--async-rollout full: trajectories generated and not yet taken by the "
+                                      "trainer, at most (default: one rollout batch, rollout_batch_size x "
+                                      "n_samples_per_prompt)")
+    max_staleness: int | None = option(None, "async rollout: no trained sample's oldest token was generated more "
+                                       "than N policy versions before the weights it trains; older samples are "
+                                       "dropped and regenerated (rollout/stale_dropped); default: no bound")
     sglang_args: list[str] = option([], "extra SGLang server arguments, passed through")
     sglang_mem_fraction_static: float = option(
         0.5, "share of the GPU's memory SGLang takes for its weights and KV cache; the colocated trainer keeps "
@@ -136,6 +147,10 @@ class AlgoConfig:
     loss_agg_constant: float | None = option(None, "normaliser for seq-mean-token-sum-norm (Dr.GRPO)")
     use_tis: bool = option(False, "truncated importance sampling against the engine's log-probs")
     tis_mode: Literal["truncate", "icepop"] = option("truncate", "TIS: truncate or icepop")
+    tis: Literal["auto", "none", "truncate", "icepop"] = option(
+        "auto", "off-policy correction against the engine's log-probs: truncate (TIS) or icepop; none turns it "
+        "off; auto: --use-tis with --tis-mode, and in async rollout (--async-rollout) --tis-mode's even without "
+        "--use-tis")
     tis_clip_low: float = option(0.0, "TIS lower bound")
     tis_clip: float = option(2.0, "TIS upper bound")
     value_clip: float = option(0.2, "PPO critic: clip range of the value update")
@@ -167,6 +182,8 @@ class TrainConfig:
 
 @dataclass
 class SyncConfig:
+    update_weights_interval: int = option(1, "--async-rollout: push the trainer's weights to the engines every N "
+                                          "rollout steps")
     update_weight_buffer_size: int = option(512 * 2**20, "bytes per weight-sync bucket (dtype-homogeneous, a "
                                             "layer's tensors never split)")
     offload_rollout: bool = option(False, "colocated: the engine releases its weights and KV cache after each "

@@ -33,7 +33,7 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
     state.worker.begin_sft(cfg.train.sft_lr or cfg.train.lr, cfg.train.sft_steps)
     results = [sft_step(state, tokenizer) for _ in range(cfg.train.sft_steps)]
     state.worker.end_sft()
-    state.loop.run_until_complete(state.weight_sync.push("sft"))
+    state.loop.run_until_complete(state.weight_sync.push("0"))  # policy version 0: the weights step 0 trains
     metrics = {"sft/loss": results[-1]["sft_loss"] if results else float("nan"), "sft/steps": float(len(results))}
     if state.rollout.has_eval:
         metrics.update(state.loop.run_until_complete(state.rollout.evaluate(-1)))

@@ -33,6 +33,12 @@ class RunState:
     dp: DataParallel = SINGLE_PROCESS  # the data-parallel ranks (each one runs this same step on its shard)
     on_phase: Callable[[str], None] = lambda name: None  # told each phase as it starts (the progress display)
     telemetry: GpuTelemetry = field(default_factory=lambda: GpuTelemetry(None))  # perf/gpu_* per step; off: none
+    schedule: object = None  # --async-rollout's (redline.loop.async_schedule), installed at construction
+
+    def __post_init__(self):
+        from redline.loop.async_schedule import make_schedule
+
+        self.schedule = make_schedule(self)  # an async one wraps ``rollout`` and ``weight_sync``
 
 
 def clock() -> float:
@@ -91,7 +97,8 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     step_start = clock()
     state.telemetry.begin()
 
-    # 1. rollout: generate n samples per prompt, score them, filter groups
+    # 1. rollout: generate n samples per prompt, score them, filter groups (--async-rollout: hand over the ones
+    #    generated while the last step trained)
     state.on_phase("rollout")
     samples, metrics = state.loop.run_until_complete(state.rollout.generate(rollout_id))
     t0 = clock()
@@ -102,10 +109,13 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     rollout_logp = [torch.tensor(s.rollout_logp, dtype=torch.float32) for s in samples]
     loss_masks = torch.cat([torch.tensor(s.loss_mask, dtype=torch.bool) for s in samples])
 
-    # 2. old / reference log-probs (old ones are reused when the weights cannot move before the loss sees them)
+    # 2. old / reference log-probs (old ones are reused when the weights cannot move before the loss sees them,
+    #    unless an async batch mixes staleness values: its log-prob gap is then reported per staleness)
+    state.schedule.overlap_begin()  # --async-rollout: from here to the push the engines keep generating
     state.on_phase("log-probs")
     t0 = clock()
-    kl_coef, reuse_old = reward_kl_coef(state), reuses_old_logp(state)
+    kl_coef = reward_kl_coef(state)
+    reuse_old = reuses_old_logp(state) and not state.schedule.mixed_staleness(samples)
     need_ref = state.loss_cfg.kl_coef > 0 or kl_coef > 0
     old_logp = None if reuse_old else per_sample_logprobs(state, samples, reference=False)
     ref_logp = per_sample_logprobs(state, samples, reference=True) if need_ref else None
@@ -152,8 +162,9 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
             raise FloatingPointError(f"{state.worker.bad_steps} steps had a NaN/inf loss or gradient "
                                      f"(--max-bad-steps {cfg.train.max_bad_steps}); stopping")
     train_time = clock() - t0
+    state.schedule.overlap_end()
 
-    # 5. weight sync: planned buckets into the engine (resuming its memory around them when offloaded)
+    # 5. weight sync (--async-rollout: every --update-weights-interval steps, when the schedule allows): planned buckets into the engine (resuming its memory around them when offloaded)
     state.on_phase("weight sync")
     t0 = clock()
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
@@ -185,6 +196,10 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         metrics["train/rollout_logprob_abs_diff"] = float(diffs[loss_masks].mean())
     else:
         metrics["train/rollout_logprob_abs_diff"] = mean("rollout_logprob_abs_diff")
+    # --async-rollout: staleness, overlap, waits (perf/rollout_time becomes the engines' generating time)
+    metrics.update(state.schedule.step_metrics(
+        samples, step_start=step_start, step_time=step_time, batch_wait=rollout_time, sync_time=sync_time,
+        old_logp=old_logp, rollout_logp=rollout_logp, overall_diff=metrics["train/rollout_logprob_abs_diff"]))
     if state.loss_cfg.tis:
         metrics.update({"train/tis_mean": mean("tis_mean"), "train/tis_clipfrac": mean("tis_clipfrac")})
     if state.critic:

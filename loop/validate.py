@@ -10,6 +10,7 @@ from redline.extras import available
 def loss_config(config):
     """The ``redline.kernels.LossConfig`` the run's algorithm settings describe."""
     from redline.kernels import LossConfig
+    from redline.loop.async_schedule import off_policy_correction
 
     algo = config.algo
     estimator = {"gspo": "gspo", "cispo": "cispo"}.get(algo.advantage_estimator, "ppo")
@@ -20,7 +21,7 @@ def loss_config(config):
     return LossConfig(estimator=estimator, eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high,
                       eps_clip_c=algo.eps_clip_c, kl_type=algo.kl_loss_type,
                       kl_coef=algo.kl_loss_coef if algo.use_kl_loss else 0.0, entropy_coef=algo.entropy_coef,
-                      tis=algo.tis_mode if algo.use_tis else None, tis_clip_low=algo.tis_clip_low,
+                      tis=off_policy_correction(config), tis_clip_low=algo.tis_clip_low,
                       tis_clip=algo.tis_clip, agg=agg, agg_constant=constant)
 
 
@@ -371,6 +372,9 @@ def validate(config, world_size: int = 1) -> None:
     check_backends(config)
     check_engine(config)
     check_placement(config, world_size)
+    from redline.loop.async_schedule import check_async
+
+    check_async(config, world_size)
     check_offload_train(config)
     check_engine_gpus_here(config, world_size)
     if config.checkpoint.load:

@@ -29,7 +29,7 @@ class RolloutOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _unfinished(group: list[Sample]) -> bool:
+def unfinished(group: list[Sample]) -> bool:
     return any(s.status in (Status.PENDING, Status.ABORTED) for s in group)
 
 
@@ -53,7 +53,7 @@ class RolloutManager:
         self.generate_fn = generate_fn
         self.max_inflight = max_inflight
 
-    async def _run_group(self, group: list[Sample], limit: asyncio.Semaphore) -> list[Sample]:
+    async def run_group(self, group: list[Sample], limit: asyncio.Semaphore) -> list[Sample]:
         """Generate every unfinished sample of the group, then score the group unless an abort cut it short."""
         async def one(sample: Sample) -> Sample:
             if sample.status in (Status.COMPLETED, Status.TRUNCATED):
@@ -61,7 +61,7 @@ class RolloutManager:
             async with limit:
                 return await self.generate_fn(self.engine, self.tokenizer, sample, self.params)
         group = list(await asyncio.gather(*(one(s) for s in group)))
-        if not _unfinished(group):
+        if not unfinished(group):
             for sample, reward in zip(group, await self.reward(group)):
                 sample.reward = reward
         return group
@@ -81,7 +81,7 @@ class RolloutManager:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
             raise
-        metrics = self._metrics(kept, dropped, len(leftover), time.perf_counter() - start)
+        metrics = self.batch_metrics(kept, dropped, len(leftover), time.perf_counter() - start)
         metrics["rollout/reward_errors"] = float(self.reward.errors - reward_errors)
         return RolloutOutput(kept, metrics)
 
@@ -94,12 +94,12 @@ class RolloutManager:
         while len(kept) < self.rollout_batch_size:
             if len(kept) + len(in_flight) < self.rollout_batch_size:
                 for group in self.data_source.get_groups(self.over_sampling_batch_size, self.n_samples_per_prompt):
-                    in_flight.add(asyncio.create_task(self._run_group(group, limit)))
+                    in_flight.add(asyncio.create_task(self.run_group(group, limit)))
             done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 in_flight.discard(task)  # one at a time: on a failure the rest stay for the caller to collect
                 group = task.result()
-                if _unfinished(group):  # aborted by someone else's pause; never trained on half a group
+                if unfinished(group):  # aborted by someone else's pause; never trained on half a group
                     leftover_early.append(group)
                 elif self.dynamic_filter is None or self.dynamic_filter(group):
                     kept.append(group)
@@ -117,7 +117,7 @@ class RolloutManager:
             self.data_source.add_groups(leftover)
         return kept, dropped, leftover
 
-    def _metrics(self, groups, dropped, leftover, seconds) -> dict[str, float]:
+    def batch_metrics(self, groups, dropped, leftover, seconds) -> dict[str, float]:
         samples = [s for g in groups for s in g]
         lengths = [s.response_length for s in samples]
         return {

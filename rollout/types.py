@@ -109,7 +109,9 @@ class Sample:
     ``tokens``). loss_mask, rollout_logp: one entry per response token; loss_mask is 1 for tokens the policy
     generated and 0 for tokens inserted from outside (tool output), whose rollout_logp is 0.0.
     weight_versions: the weight version of every generate call that contributed tokens (partial rollouts and
-    multi-turn generation can span weight updates).
+    multi-turn generation can span weight updates). response_versions: one entry per response token, the weight
+    version that generated it (None for tokens from outside the policy): a partial rollout continued after a
+    weight update holds tokens of two versions.
     """
 
     prompt: str | list[dict[str, Any]]
@@ -125,6 +127,7 @@ class Sample:
     group_index: int | None = None
     index: int | None = None
     weight_versions: list[str] = field(default_factory=list)
+    response_versions: list[str | None] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -134,7 +137,8 @@ class Sample:
     def response_ids(self) -> list[int]:
         return self.tokens[len(self.tokens) - self.response_length:]
 
-    def append_response(self, ids: list[int], logp: list[float] | None, trainable: bool) -> None:
+    def append_response(self, ids: list[int], logp: list[float] | None, trainable: bool,
+                        version: str | None = None) -> None:
         """Extend the response by ``ids``; policy tokens carry their log-probs, outside tokens get mask 0.
 
         Keeps ``tokens``, ``loss_mask`` and ``rollout_logp`` aligned: the invariant the trainer relies on.
@@ -146,10 +150,11 @@ class Sample:
         self.response_length += len(ids)
         self.loss_mask.extend([1 if trainable else 0] * len(ids))
         self.rollout_logp.extend(logp if trainable else [0.0] * len(ids))
+        self.response_versions.extend([version] * len(ids))
 
     def add_generation(self, result: GenerateResult) -> None:
         """Record one engine generation: its tokens (trainable), version and the status its finish reason implies."""
-        self.append_response(result.output_ids, result.logp, trainable=True)
+        self.append_response(result.output_ids, result.logp, trainable=True, version=result.weight_version)
         if result.output_ids:
             self.weight_versions.append(result.weight_version)
         self.status = STATUS_OF_FINISH[result.finish_reason]
