@@ -89,16 +89,18 @@ def char_tokenizer(vocab_size: int | None = None):
                                    unk_token="<unk>")
 
 
-def tiny_model(folder: Path, *, seed: int = 0) -> Path:
+def tiny_model(folder: Path, *, seed: int = 0, vocab_multiple: int = 1) -> Path:
     """An HF directory (config, safetensors, tokenizer) of a ~0.2M-parameter Qwen3-architecture decoder."""
-    return builtin_model(folder, "tiny", seed=seed)
+    return builtin_model(folder, "tiny", seed=seed, vocab_multiple=vocab_multiple)
 
 
 def builtin_model(folder: Path, name: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                  device: str = "cpu", num_hidden_layers: int | None = None) -> Path:
+                  device: str = "cpu", num_hidden_layers: int | None = None, vocab_multiple: int = 1) -> Path:
     """An HF directory (config, safetensors in ``dtype``, tokenizer) of the built-in model ``name`` with random
     weights drawn on ``device`` (the larger models are quicker to draw on a GPU). ``num_hidden_layers``: a slice
-    of the model, its shapes with only that many layers (scaling baselines that must fit one GPU)."""
+    of the model, its shapes with only that many layers (scaling baselines that must fit one GPU).
+    ``vocab_multiple``: a character vocabulary is padded with filler tokens to a multiple of it (tensor
+    parallelism splits the vocabulary)."""
     from transformers import Qwen3Config
 
     from redline.trainer.models import from_config
@@ -110,7 +112,10 @@ def builtin_model(folder: Path, name: str, *, seed: int = 0, dtype: torch.dtype 
         if num_hidden_layers < 1:
             raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
         fields["num_hidden_layers"] = num_hidden_layers
-    tokenizer = char_tokenizer(fields.pop("vocab_size", None))
+    vocab_size = fields.pop("vocab_size", None)
+    if vocab_size is None and vocab_multiple > 1:
+        vocab_size = -(-len(char_tokenizer()) // vocab_multiple) * vocab_multiple
+    tokenizer = char_tokenizer(vocab_size)
     vocab_size = len(tokenizer)  # every id the model can emit decodes
     folder.mkdir(parents=True, exist_ok=True)
     # SGLang picks its model class by ``architectures``
@@ -144,7 +149,8 @@ def materialize(config, builtin_dir: Path) -> dict[str, str]:
     if is_builtin(config.model.hf_checkpoint):
         name = config.model.hf_checkpoint[len(PREFIX):]
         if name == "tiny":  # float32 on the CPU whatever the run: the quickstart's weights are the same everywhere
-            folder = tiny_model(builtin_dir / name, seed=config.train.seed)
+            folder = tiny_model(builtin_dir / name, seed=config.train.seed,
+                                vocab_multiple=config.parallel.tensor_model_parallel_size)
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.model.dtype, torch.float32)

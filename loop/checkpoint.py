@@ -2,8 +2,11 @@
 
 Layout under ``<output_dir>/checkpoints/``: ``rollout_<N>/model/`` (HF safetensors + config + tokenizer, loadable
 by transformers), ``rollout_<N>/state.{json,safetensors}`` (what every rank shares: optimizer, scheduler,
-counters), ``rollout_<N>/rank<r>.{json,safetensors}`` per data-parallel rank (its data position and RNG states),
-and ``latest`` naming the newest ``rollout_<N>``. The state files are ``redline.loop.state_file``'s format:
+counters, the parallel layout ``{"dp", "tp", "pp"}`` it was saved at), ``rollout_<N>/rank<r>.{json,safetensors}``
+per process (global rank ``r``: its optimizer shard, data position and RNG states), and ``latest`` naming the
+newest ``rollout_<N>``. Under TP/PP the model is gathered into the HF directory (rank 0 writes it) and each
+process's shard of the fp32 master weights and moments sits in its ``rank<r>`` state: the sharded state, loaded
+back at the same layout only (``saved_layout``). The state files are ``redline.loop.state_file``'s format:
 tensors in safetensors, the rest in JSON, so loading a folder from elsewhere never unpickles anything. Folders
 of the older pickle format (``state.pt``) are refused with a message saying so: a pickle can run code when
 loaded, and ``torch.load(weights_only=True)`` does not take their numpy RNG states.
@@ -41,19 +44,21 @@ def set_rng_state(state: dict) -> None:
 def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict, rank_state: dict,
          dp: DataParallel = SINGLE_PROCESS) -> Path:
     """Write checkpoint ``rollout_<rollout_id>`` and point ``latest`` at it; returns its folder. Collective under
-    data parallelism: rank 0 writes the model and ``state`` (identical on every rank), each rank its
-    ``rank_state`` and RNG states."""
+    torchrun: rank 0 writes the model (gathered over TP/PP by every rank) and ``state`` (identical on every
+    rank), each process its ``rank_state`` and RNG states."""
     folder = Path(root) / f"rollout_{rollout_id}"
     tmp = folder.with_name(folder.name + ".tmp")
     if dp.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dp.barrier()
-    state_file.save(tmp / f"rank{dp.rank}", {**rank_state, "rng": rng_state()})
+    state_file.save(tmp / f"rank{dp.process_rank}", {**rank_state, "rng": rng_state()})
+    if dp.model_parallel or dp.is_main:  # the TP gathers and PP broadcasts are collectives
+        model.save_pretrained(tmp / "model", write=dp.is_main)
     if dp.is_main:
-        model.save_pretrained(tmp / "model")
         copy_tokenizer(tokenizer_dir, tmp / "model")
-        state_file.save(tmp / "state", {**state, "rollout_id": rollout_id})
+        layout = {"dp": dp.world, "tp": dp.state.tp if dp.state else 1, "pp": dp.state.pp if dp.state else 1}
+        state_file.save(tmp / "state", {**state, "rollout_id": rollout_id, "layout": layout})
     dp.barrier()
     if dp.is_main:
         shutil.rmtree(folder, ignore_errors=True)
@@ -89,11 +94,17 @@ def saved_rollout(folder: Path) -> int:
 
 
 def saved_ranks(folder: Path) -> int:
-    """How many data-parallel ranks saved a checkpoint folder (one ``rank<r>`` state each)."""
+    """How many processes saved a checkpoint folder (one ``rank<r>`` state each)."""
     return len(list(Path(folder).glob("rank*.json")))
 
 
+def saved_layout(folder: Path) -> dict[str, int]:
+    """The ``{"dp", "tp", "pp"}`` layout a checkpoint was saved at (folders from before TP/PP: data-parallel
+    only, one ``rank<r>`` state per rank)."""
+    return state_file.load(Path(folder) / "state").get("layout") or {"dp": saved_ranks(folder), "tp": 1, "pp": 1}
+
+
 def load_state(folder: Path, dp: DataParallel = SINGLE_PROCESS) -> tuple[dict, dict]:
-    """``(shared state, this rank's state)`` of a checkpoint (``validate.check_load`` has checked it was saved by
-    as many ranks); RNG states (in the rank's) are restored by the caller with ``set_rng_state``."""
-    return state_file.load(Path(folder) / "state"), state_file.load(Path(folder) / f"rank{dp.rank}")
+    """``(shared state, this process's state)`` of a checkpoint (``validate.check_load`` has checked it was saved
+    at this layout); RNG states (in the process's) are restored by the caller with ``set_rng_state``."""
+    return state_file.load(Path(folder) / "state"), state_file.load(Path(folder) / f"rank{dp.process_rank}")

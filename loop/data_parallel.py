@@ -8,6 +8,12 @@ micro-batches (``exchange_samples``). Loss weights are normalised by the whole b
 gradients are averaged over the ranks before clipping, so each optimizer step is the one a single process would
 take on the whole batch, and every rank holds the same weights, which it then pushes into its own engine.
 Metrics are reduced over the ranks; rank 0 writes the files.
+
+With tensor / pipeline parallelism (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``) the
+processes form a DP × PP × TP mesh (``redline.trainer.parallel``): ``rank``/``world`` here are the data-parallel
+coordinate and size, every collective of this class runs over the DP group only, and the TP × PP ranks of one DP
+rank (its model-parallel group) hold the same data: its leader (TP rank 0 of the first stage) alone generates and
+evaluates, and hands the samples to the rest of the group (``from_model_leader``).
 """
 
 import os
@@ -24,16 +30,60 @@ COUNT_METRICS = ("rollout/dropped_groups", "rollout/discarded_groups", "rollout/
 @dataclass(frozen=True)
 class DataParallel:
     """This process's place among ``world`` data-parallel ranks; ``state`` is the trainer's
-    ``redline.trainer.parallel.ParallelState`` (None in a single process)."""
+    ``redline.trainer.parallel.ParallelState`` (None in a single process); ``mp_group``: the TP × PP ranks sharing
+    this DP rank's data (None without model parallelism)."""
 
     rank: int = 0
     world: int = 1
     state: object | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mp_group: object | None = None
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """Global rank 0: it writes the run's files."""
+        return self.process_rank == 0
+
+    @property
+    def process_rank(self) -> int:
+        return dist.get_rank() if self.state is not None else self.rank
+
+    @property
+    def processes(self) -> int:
+        """Every process of the run (DP × TP × PP)."""
+        return dist.get_world_size() if self.state is not None else self.world
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.mp_group is not None
+
+    @property
+    def holds_engine(self) -> bool:
+        """Whether this process generates: every DP rank without model parallelism, else its group's leader."""
+        return self.mp_group is None or (self.state.tp_rank == 0 and self.state.pp_rank == 0)
+
+    @property
+    def group(self):
+        """The DP process group (None: the default group, the same ranks without model parallelism)."""
+        return self.state.dp_group if self.mp_group is not None else None
+
+    def from_model_leader(self, make):
+        """``make()`` run by the leader of this model-parallel group (``holds_engine``), its picklable result
+        handed to the group's other ranks; without model parallelism, ``make()`` here."""
+        if self.mp_group is None:
+            return make()
+        box = [make() if self.holds_engine else None]
+        leader = dist.get_global_rank(self.mp_group, 0)
+        dist.broadcast_object_list(box, src=leader, group=self.mp_group, device=self.device)
+        return box[0]
+
+    def any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any process of the run (all of them call)."""
+        if self.processes == 1:
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value)
+        return bool(value.item() > 0)
 
     def sum(self, value: float) -> float:
         """``value`` summed over the ranks."""
@@ -44,7 +94,7 @@ class DataParallel:
         if self.world == 1:
             return values.cpu()
         values = values.to(self.device, copy=True)
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=self.group)
         return values.cpu()
 
     def all_lengths(self, lengths: list[int]) -> list[int]:
@@ -53,7 +103,7 @@ class DataParallel:
         if self.world == 1:
             return list(lengths)
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, list(lengths))
+        dist.all_gather_object(gathered, list(lengths), group=self.group)
         return [n for rank_lengths in gathered for n in rank_lengths]
 
     def exchange_samples(self, samples: list, per_token: dict[str, list], needed: list[list[int]]
@@ -74,7 +124,8 @@ class DataParallel:
         bundles = []
         for src in range(self.world):
             box = [None]
-            dist.scatter_object_list(box, [owned(ids) for ids in needed] if src == self.rank else None, src=src)
+            dist.scatter_object_list(box, [owned(ids) for ids in needed] if src == self.rank else None,
+                                     src=self._global(src), group=self.group)
             bundles.append(box[0])
         pool, values = {}, {key: {} for key in per_token}
         for index, sample, sample_values in (item for bundle in bundles for item in bundle):
@@ -98,8 +149,8 @@ class DataParallel:
         is_time = [k.startswith("perf/") and k.endswith("_time") for k in keys]
         values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.device)
         slowest = values.clone()
-        dist.all_reduce(values)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(values, group=self.group)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
         out = {}
         for key, total, worst, time in zip(keys, values.tolist(), slowest.tolist(), is_time):
             out[key] = worst if time else total if key in COUNT_METRICS else total / self.world
@@ -118,7 +169,7 @@ class DataParallel:
         """``make()`` run on rank 0 only, its result (picklable) handed to every rank. Whatever it raises is
         raised on rank 0 and reported on every other rank (``ValueError`` for a ``ValueError``, ``ConfigError``
         included; ``RuntimeError`` otherwise), so no rank waits for a result that never comes."""
-        if self.world == 1:
+        if self.processes == 1:
             return make()
         box, error = [None, None], None
         if self.is_main:
@@ -134,22 +185,31 @@ class DataParallel:
             raise (ValueError if is_value_error else RuntimeError)(f"on rank 0: {message}")
         return box[0]
 
+    def _global(self, dp_rank: int) -> int:
+        """The global rank of DP rank ``dp_rank`` in this process's DP group."""
+        return dist.get_global_rank(self.group, dp_rank) if self.group is not None else dp_rank
+
     def barrier(self) -> None:
-        if self.world > 1:
+        if self.processes > 1:
             dist.barrier()
 
     def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
+        if self.processes > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
 SINGLE_PROCESS = DataParallel()
 
 
-def init_data_parallel(timeout_minutes: float) -> DataParallel:
+def init_data_parallel(timeout_minutes: float, tp: int = 1, pp: int = 1, sp: bool = False) -> DataParallel:
     """From ``torchrun``'s environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``): NCCL with one GPU per rank
-    (``cuda:LOCAL_RANK``, made current), gloo on a CPU machine; a single process when ``WORLD_SIZE`` is unset/1."""
+    (``cuda:LOCAL_RANK``, made current), gloo on a CPU machine; a single process when ``WORLD_SIZE`` is unset/1.
+    ``tp``/``pp``/``sp``: the model parallelism (``--tensor-model-parallel-size`` ...); the data-parallel size is
+    what remains of the world (``validate.check_world_size`` refuses a world that does not split)."""
+    from redline.loop.validate import check_world_size
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(world, tp, pp)
     if world == 1:
         return DataParallel(device=torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     from redline.trainer.parallel import ParallelConfig
@@ -166,5 +226,19 @@ def init_data_parallel(timeout_minutes: float) -> DataParallel:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(minutes=timeout_minutes), device_id=device if device.type == "cuda"
                             else None)
-    state = ParallelConfig(dp=world).build(device.type)
-    return DataParallel(rank=dist.get_rank(), world=world, state=state, device=device)
+    dp = world // (tp * pp)
+    state = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp).build(device.type)
+    mp_group = model_parallel_group(state) if tp * pp > 1 else None
+    return DataParallel(rank=state.dp_rank, world=dp, state=state, device=device, mp_group=mp_group)
+
+
+def model_parallel_group(state) -> object:
+    """The process group of this rank's TP × PP ranks (those of its DP coordinate), ordered stage-major with the
+    leader (TP rank 0 of the first stage) first. Every process creates every group, in the same order."""
+    ranks = state.mesh.mesh  # [pp, dp, tp] global ranks
+    mine = None
+    for d in range(state.config.dp):
+        group = dist.new_group(ranks[:, d, :].flatten().tolist())
+        if d == state.dp_rank:
+            mine = group
+    return mine

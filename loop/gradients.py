@@ -4,6 +4,7 @@ micro-batches, the average over data-parallel ranks, clipping."""
 import torch
 
 from redline.loop.data_parallel import DataParallel
+from redline.loop.model_parallel import pipeline_state, pipeline_totals
 
 
 def accumulate_and_clip(model, batches, weights: list[float], loss_fn, *, device, clip: float,
@@ -13,13 +14,18 @@ def accumulate_and_clip(model, batches, weights: list[float], loss_fn, *, device
     ``redline.trainer.mixed_precision.MasterWeights``) the gradients accumulate in its fp32 buffer, and the
     averaging and clip factor are left to its optimizer's fused update. Returns the weighted sums of ``loss`` and
     each metric, averaged over the ranks (with ``DataParallel.loss_weights`` these are whole-batch means), and
-    ``grad_norm``, the norm before clipping (NaN/inf when a gradient was)."""
-    totals: dict[str, torch.Tensor] = {}
-    for batch, weight in zip(batches, weights):
-        loss, metrics = loss_fn(batch.to(device))
-        (loss * weight).backward()
-        for key, value in {"loss": loss.detach(), **metrics}.items():
-            totals[key] = totals.get(key, 0.0) + value.detach().float() * weight
+    ``grad_norm``, the norm before clipping (NaN/inf when a gradient was). A pipeline-split model runs its
+    forwards and backwards in the 1F1B schedule (``model_parallel.pipeline_totals``), ``loss_fn(batch, hidden=)``
+    on the last stage."""
+    totals: dict[str, torch.Tensor | float] = {}
+    if pipeline_state(model) is not None:
+        totals = pipeline_totals(model, [b.to(device) for b in batches], weights, loss_fn)
+    else:
+        for batch, weight in zip(batches, weights):
+            loss, metrics = loss_fn(batch.to(device))
+            (loss * weight).backward()
+            for key, value in {"loss": loss.detach(), **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + value.detach().float() * weight
     max_norm = clip if clip > 0 else float("inf")
     if master is not None:  # every data-parallel run (its master shards are ZeRO-1's), every run below fp32
         norm = master.reduce_and_clip(max_norm)

@@ -10,8 +10,8 @@ from redline.trainer.mixed_precision import MasterWeights, MixedPrecisionAdamW
 
 
 def master_weights_for(model, cfg: TrainConfig, dp: DataParallel = SINGLE_PROCESS) -> MasterWeights | None:
-    """fp32 master weights and gradients for ``model`` when it trains below fp32, under data parallelism (the
-    master shards are ZeRO-1's) or with ``--optimizer-cpu-offload``; None: a single-process fp32 model steps its
+    """fp32 master weights and gradients for ``model`` when it trains below fp32, under torchrun (the master
+    shards are ZeRO-1's over DP; TP/PP gradients are finalised there) or with ``--optimizer-cpu-offload``; None: a single-process fp32 model steps its
     own parameters. With ``--offload-train`` always, their device buffers in the process's pausable memory
     (``redline.loop.train_offload``)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -21,7 +21,7 @@ def master_weights_for(model, cfg: TrainConfig, dp: DataParallel = SINGLE_PROCES
         offload = train_offload(trainable[0].device)
         return offload.track(MasterWeights(model, parallel=dp.state, offload=cfg.optimizer_cpu_offload,
                                            allocate=offload.allocate))
-    if all(p.dtype == torch.float32 for p in trainable) and dp.world == 1 and not cfg.optimizer_cpu_offload:
+    if all(p.dtype == torch.float32 for p in trainable) and dp.state is None and not cfg.optimizer_cpu_offload:
         return None
     return MasterWeights(model, parallel=dp.state, offload=cfg.optimizer_cpu_offload)
 

@@ -36,7 +36,7 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
     state.loop.run_until_complete(state.weight_sync.push("0"))  # policy version 0: the weights step 0 trains
     metrics = {"sft/loss": results[-1]["sft_loss"] if results else float("nan"), "sft/steps": float(len(results))}
     if state.rollout.has_eval:
-        metrics.update(state.loop.run_until_complete(state.rollout.evaluate(-1)))
+        metrics.update(state.dp.from_model_leader(lambda: state.loop.run_until_complete(state.rollout.evaluate(-1))))
     return metrics
 
 

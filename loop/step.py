@@ -100,7 +100,8 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     # 1. rollout: generate n samples per prompt, score them, filter groups (--async-rollout: hand over the ones
     #    generated while the last step trained)
     state.on_phase("rollout")
-    samples, metrics = state.loop.run_until_complete(state.rollout.generate(rollout_id))
+    # under TP/PP the model-parallel group's leader generates for its DP rank and hands the group the samples
+    samples, metrics = dp.from_model_leader(lambda: state.loop.run_until_complete(state.rollout.generate(rollout_id)))
     t0 = clock()
     rollout_time = t0 - step_start
     state.loop.run_until_complete(state.weight_sync.release())  # --offload-rollout: the GPU is the trainer's
@@ -153,7 +154,8 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         weights = dp.loss_weights([aggregation_weight(b, state.loss_cfg.agg) for b in batches])
         train_metrics.append(state.worker.step(
             batches, weights,
-            lambda b: state.worker.policy_loss(b, state.loss_cfg, reuse_old_logp=reuse_old)))
+            lambda b, hidden=None: state.worker.policy_loss(b, state.loss_cfg, reuse_old_logp=reuse_old,
+                                                            hidden=hidden)))
         if state.critic:
             tokens = dp.loss_weights([aggregation_weight(b, "token-mean") for b in batches])
             train_metrics[-1].update(state.critic.step(batches, tokens))

@@ -61,11 +61,12 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     from redline.loop.fault_tolerance import engine_sync
     from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
     from redline.loop.train_offload import offload_train_enabled, train_offload
+    from redline.loop.parallel_sync import ModelParallelWeightSync
     from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
 
-    device = dp.device if dp.world > 1 else trainer_device(config)
+    device = dp.device if dp.processes > 1 else trainer_device(config)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     dtype = DTYPES[config.model.dtype]
@@ -101,12 +102,20 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         engine_name += " (own process)"
     if dp.world > 1:
         engine_name += f" (one per data-parallel rank, {dp.world} ranks)"
+    if dp.model_parallel:  # the group's data comes from one engine (model_parallel's docstring)
+        engine_name += (f" (on TP rank 0 of the first pipeline stage of each model-parallel group, unsharded; "
+                        f"TP={dp.state.tp} × PP={dp.state.pp} trainer)")
     console.print(f"rollout engine: {engine_name}")
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if rollout.skipped_records:
         console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
                       f"(data/skipped_records)", markup=False, soft_wrap=True)
-    if config.parallel.colocate:  # a watched engine (--use-fault-tolerance) gets a new WeightSync at each restart
+    if dp.model_parallel and rollout.engine_seat is None:  # with a seat, WeightSync's per-rank SGLang push below
+        weight_sync = ModelParallelWeightSync(
+            model, engine, dp, bucket_bytes=config.sync.update_weight_buffer_size,
+            offload=config.sync.offload_rollout, device=device, check_weights=config.sync.check_weights,
+            train_offload=train_offload(device) if train_cfg.offload_train else None)
+    elif config.parallel.colocate:  # a watched engine (--use-fault-tolerance) gets a new WeightSync at each restart
         weight_sync = engine_sync(engine, lambda engine: WeightSync(
             model, engine, bucket_bytes=config.sync.update_weight_buffer_size, offload=config.sync.offload_rollout,
             device=device, check_weights=config.sync.check_weights, seat=rollout.engine_seat,
@@ -148,7 +157,8 @@ def shutdown(state: RunState) -> None:
             state.loop.run_until_complete(close())
     finally:
         try:
-            state.loop.run_until_complete(state.engine.shutdown())
+            if state.engine is not None:  # a model-parallel group's other ranks hold none
+                state.loop.run_until_complete(state.engine.shutdown())
         finally:
             state.loop.run_until_complete(state.rollout.close())
             state.loop.run_until_complete(_cancel_others())
@@ -165,11 +175,12 @@ async def _cancel_others() -> None:
 
 def trainer_state(state: RunState) -> tuple[dict, dict]:
     """``(shared, this rank's)`` checkpoint state: the controllers and the critic's weights are the same on every
-    rank (written once); the optimizers (each rank's shard of the fp32 master weights and moments) and the data
-    position are each rank's own."""
+    rank (written once; under TP the critic's weights are each rank's shard, kept with its own state); the
+    optimizers (each rank's shard of the fp32 master weights and moments) and the data position are each rank's
+    own."""
     critic = state.critic.state_dict() if state.critic else None
     shared = {"kl_controller": state.kl_controller.state_dict() if state.kl_controller else None,
-              "critic_model": critic.pop("model") if critic else None}
+              "critic_model": critic.pop("model") if critic and not state.dp.model_parallel else None}
     return shared, {"rollout": state.rollout.state_dict(), "worker": state.worker.state_dict(), "critic": critic}
 
 
@@ -178,13 +189,14 @@ def restore(state: RunState, folder: Path) -> int:
     from redline.trainer.models.load import load_hf_weights
 
     saved, mine = checkpoint.load_state(folder, state.dp)
-    load_hf_weights(state.worker.model, folder / "model")
+    if not state.dp.model_parallel:  # a sharded model takes its weights from its fp32 master shards below
+        load_hf_weights(state.worker.model, folder / "model")
     state.worker.load_state_dict(mine["worker"])
     state.rollout.load_state_dict(mine["rollout"])
     if state.kl_controller and saved["kl_controller"]:
         state.kl_controller.load_state_dict(saved["kl_controller"])
     if state.critic and mine.get("critic"):
-        state.critic.load_state_dict({**mine["critic"], "model": saved["critic_model"]})
+        state.critic.load_state_dict({"model": saved["critic_model"], **mine["critic"]})
     checkpoint.set_rng_state(mine["rng"])
     state.loop.run_until_complete(state.weight_sync.push(str(saved["rollout_id"] + 1)))
     return saved["rollout_id"] + 1
@@ -194,7 +206,9 @@ def run(config, config_path=None) -> int:
     """One process, or every rank of a ``torchrun`` launch (data parallelism): rank 0 picks the output folder,
     builds the built-in data/model and writes every file; each rank trains and rolls out its shard."""
     check_distributed_timeout(config)
-    dp = init_data_parallel(config.parallel.distributed_timeout_minutes)
+    p = config.parallel
+    dp = init_data_parallel(p.distributed_timeout_minutes, p.tensor_model_parallel_size,
+                            p.pipeline_model_parallel_size, p.sequence_parallel)
     console = Console(quiet=not dp.is_main)
     try:
         with deterministic_algorithms():  # same seed, same result on a CPU machine (loop/determinism.py)
@@ -211,7 +225,7 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
         replaced = dp.from_main(lambda: run_folder.previous_run(out, config.checkpoint.load,
                                                                 config.checkpoint.overwrite))
         config = apply_overrides(config, dp.from_main(lambda: _materialize(config, out)), source="built-in")
-        validate(config, world_size=dp.world)
+        validate(config, world_size=dp.processes)
     except (ConfigError, ValueError) as exc:
         if out is not None and dp.is_main:
             run_folder.undo_start(out, before)  # a failed start leaves no run folder behind
@@ -228,7 +242,7 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
                        if config.checkpoint.load else None)
         metrics = MetricsLog(out, use_wandb=config.checkpoint.use_wandb, run_name=config.checkpoint.run_name,
                              config=to_mapping(config), resume_step=resume_step)
-    log_dir = out / "logs" / (f"rank{dp.rank}" if dp.world > 1 else "")
+    log_dir = out / "logs" / (f"rank{dp.process_rank}" if dp.processes > 1 else "")
     try:
         state, tokenizer = build(config, console, log_dir=log_dir, dp=dp)
     except BaseException:  # a start that fails while building (data, tokenizer, engine) leaves the folder as found
@@ -251,7 +265,7 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
     console.print(f"report: {report}")
     if stop.stopped_at is not None:
         console.print(f"stopped by Ctrl-C after step {stop.stopped_at}; resume with:\n"
-                      f"  {run_folder.resume_command(out, dp.world)}", markup=False, soft_wrap=True)
+                      f"  {run_folder.resume_command(out, dp.processes)}", markup=False, soft_wrap=True)
         return interrupt.EXIT_CODE
     return 0
 
@@ -294,7 +308,7 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
     began = time.perf_counter()
     sft_only = config.algo.loss_type == "sft"
     compile_clock, startup = None, {}
-    if state.worker.device.type == "cuda" and not sft_only and warmup_enabled():  # CPU: PyTorch kernels, no Triton
+    if state.worker.device.type == "cuda" and not sft_only and warmup_enabled() and not dp.model_parallel:  # CPU: PyTorch kernels, no Triton
         compile_clock = CompileClock().install()
         state.on_phase = compile_clock.tracking(state.on_phase)  # a step's compilations named with their phase
         startup = warm_up(state, console, compile_clock, version=str(start))  # the engine's weights: start's
@@ -308,14 +322,15 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
             startup = {}
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
             progress.phase("eval")
-            step_metrics.update(state.loop.run_until_complete(state.rollout.evaluate(rollout_id)))
+            step_metrics.update(dp.from_model_leader(
+                lambda: state.loop.run_until_complete(state.rollout.evaluate(rollout_id))))
             progress.evaluation(step, step_metrics)
         log(step, step_metrics)
         faults.after_step(dp.rank, step)  # REDLINE_FAULT=kill-trainer:RANK@step:S (tests of --auto-resume)
         progress.step(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
         for warning in health.observe(step, step_metrics):
             progress.warn(warning)
-        stopping = dp.sum(float(stop.requested)) > 0  # every rank stops after the same step
+        stopping = dp.any_process(stop.requested)  # every rank stops after the same step
         if stopping or (config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0):
             with trainer_resident(state, str(step)):  # --offload-train paused it after the step's push
                 checkpoint.save(out / "checkpoints", rollout_id, state.worker.model,
@@ -326,8 +341,10 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
     if config.checkpoint.save_hf and stop.stopped_at is None:
         # the engine is done: its memory goes, the trainer's state comes back (--offload-train), on every rank
         state.loop.run_until_complete(state.weight_sync.release())
+    if config.checkpoint.save_hf and (dp.is_main or dp.model_parallel) and stop.stopped_at is None:
+        # under TP/PP every rank gathers (the collectives of the export), rank 0 writes the HF layout
+        state.worker.model.save_pretrained(config.checkpoint.save_hf, write=dp.is_main)
     if config.checkpoint.save_hf and dp.is_main and stop.stopped_at is None:
-        state.worker.model.save_pretrained(config.checkpoint.save_hf)
         checkpoint.copy_tokenizer(Path(config.model.hf_checkpoint), Path(config.checkpoint.save_hf))
     dp.barrier()
     if not metrics:

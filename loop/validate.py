@@ -248,19 +248,32 @@ def check_engine(config) -> None:
             raise ConfigError(f"--sglang-args {arg}: set the memory fraction with --sglang-mem-fraction-static")
 
 
-def check_load(load, world_size: int) -> None:
-    """``--load``: a checkpoint exists there, saved by as many data-parallel ranks as this run has (each rank
-    resumes its own data position from its ``rank<r>`` state)."""
-    from redline.loop.checkpoint import resolve, saved_ranks
+def layout_of(config, world_size: int) -> dict[str, int]:
+    """The run's parallel layout ``{"dp", "tp", "pp"}`` for ``world_size`` processes."""
+    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    return {"dp": world_size // (tp * pp), "tp": tp, "pp": pp}
+
+
+def describe_layout(layout: dict[str, int]) -> str:
+    return f"DP={layout['dp']} × TP={layout['tp']} × PP={layout['pp']}"
+
+
+def check_load(load, layout: dict[str, int]) -> None:
+    """``--load``: a checkpoint exists there, saved at this run's parallel layout (each process resumes its own
+    optimizer shard and data position from its ``rank<r>`` state; a checkpoint of another DP/TP/PP layout is
+    refused, naming both, rather than resharded)."""
+    from redline.loop.checkpoint import resolve, saved_layout
 
     try:
         folder = resolve(load)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
-    saved = saved_ranks(folder)
-    if saved != world_size:
-        raise ConfigError(f"--load {folder}: saved by {saved} data-parallel rank(s) (rank<r>.json files), this run "
-                          f"has {world_size}; resume with the same number of processes")
+    saved = saved_layout(folder)
+    if saved != layout:
+        raise ConfigError(f"--load {folder}: saved at layout {describe_layout(saved)}, this run is "
+                          f"{describe_layout(layout)} (--tensor-model-parallel-size, "
+                          f"--pipeline-model-parallel-size, torchrun processes); resume at the saved layout: "
+                          f"optimizer shards are not resharded")
 
 
 def check_data_parallel(config, world_size: int) -> None:
@@ -278,6 +291,63 @@ def check_data_parallel(config, world_size: int) -> None:
         if value % world_size:
             raise ConfigError(f"{flag} {value} does not split over {world_size} data-parallel ranks: make it a "
                               f"multiple of {world_size}")
+
+
+def check_world_size(world_size: int, tp: int, pp: int) -> None:
+    """The processes split into DP × PP × TP: ``world_size`` a multiple of ``tp · pp``."""
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if world_size % (tp * pp):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} × --pipeline-model-parallel-size {pp} = {tp * pp} "
+                          f"processes per model replica, but torchrun started {world_size} (WORLD_SIZE): the world "
+                          f"size must be data-parallel size × {tp * pp}")
+
+
+def check_model_parallel(config, world_size: int) -> None:
+    """TP / SP / PP fit the model and the run: heads, KV heads and vocabulary divide by TP, layers are at least
+    PP, SP has a TP group to split over, and the features that do not run model-parallel yet are refused."""
+    p = config.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if p.sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel splits tokens over the tensor-parallel group: it needs "
+                          "--tensor-model-parallel-size > 1 (got 1)")
+    if tp * pp == 1:
+        return
+    if world_size == 1:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} need "
+                          f"{tp * pp} processes: launch with torchrun --nproc-per-node {tp * pp} (or a multiple)")
+    if not p.colocate:
+        raise ConfigError(f"--no-colocate runs the trainer in one process; with --tensor-model-parallel-size {tp} "
+                          f"/ --pipeline-model-parallel-size {pp} drop --no-colocate")
+    if pp > 1 and config.algo.advantage_estimator == "ppo":
+        raise ConfigError(f"--advantage-estimator ppo: the critic runs under TP and DP, not yet under "
+                          f"--pipeline-model-parallel-size {pp}; use 1, or a critic-free estimator (grpo ...)")
+    if config.train.optimizer_cpu_offload and pp > 1:
+        raise ConfigError(f"--optimizer-cpu-offload with --pipeline-model-parallel-size {pp} is not supported yet")
+    spec = _model_spec(config.model.hf_checkpoint)
+    if spec is None:
+        return  # check_model_dir reports the folder itself
+    for what, value in (("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
+                        ("vocab_size", spec.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({value}, "
+                              f"{config.model.hf_checkpoint}/config.json)")
+    if spec.num_layers < pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} is more than the model's num_hidden_layers "
+                          f"({spec.num_layers}): every stage needs a layer")
+
+
+def _model_spec(path: str | None):
+    """The ``ModelSpec`` of the HF directory ``path``; None when it has no readable config.json."""
+    from redline.trainer.models.spec import load_hf_config, spec_from_hf
+
+    if not path or not (Path(path) / "config.json").is_file():
+        return None
+    try:
+        return spec_from_hf(load_hf_config(path))
+    except (ValueError, OSError):
+        return None
 
 
 def check_distributed_timeout(config) -> None:
@@ -298,12 +368,10 @@ def check_placement(config, world_size: int = 1) -> None:
 
     check_distributed_timeout(config)
     p = config.parallel
-    if p.tensor_model_parallel_size != 1 or p.pipeline_model_parallel_size != 1 or p.sequence_parallel:
-        raise ConfigError("--tensor-model-parallel-size / --pipeline-model-parallel-size / --sequence-parallel: "
-                          "`redline train` runs in one process so far; TP/SP/PP are available through "
-                          "redline.trainer.parallel under torchrun")
+    check_world_size(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    check_model_parallel(config, world_size)
     if world_size > 1:
-        check_data_parallel(config, world_size)
+        check_data_parallel(config, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
         return
     if p.colocate:
         return
@@ -378,7 +446,7 @@ def validate(config, world_size: int = 1) -> None:
     check_offload_train(config)
     check_engine_gpus_here(config, world_size)
     if config.checkpoint.load:
-        check_load(config.checkpoint.load, world_size)
+        check_load(config.checkpoint.load, layout_of(config, world_size))
     if config.sync.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
     try:

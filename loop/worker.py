@@ -12,22 +12,16 @@ from redline.kernels import LossConfig, fused_linear_logprobs, fused_linear_poli
 from redline.loop.batching import MicroBatch
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.gradients import accumulate_and_clip
+from redline.loop.model_parallel import last_stage_outputs, padded_stream, tp_group_of
 from redline.loop.reference import ReferencePolicy
 from redline.loop.schedule import build_optimizer, build_scheduler, master_weights_for
-from redline.trainer.padding import token_multiple
 
 
 def _forward_hidden(model, batch: MicroBatch) -> torch.Tensor:
-    """``hidden [T, H]``. The stream is padded to the backend's token multiple (FP8 GEMMs need 16) by extending
-    its last sequence: causal attention keeps real tokens blind to the padding, and the padded rows are cut."""
-    tokens = batch.input_ids.shape[0]
-    pad = -tokens % token_multiple(model)
-    if pad == 0:
-        return model(batch.input_ids, batch.cu_seqlens)
-    input_ids = torch.cat([batch.input_ids, batch.input_ids.new_zeros(pad)])
-    cu_seqlens = batch.cu_seqlens.clone()
-    cu_seqlens[-1] += pad
-    return model(input_ids, cu_seqlens)[:tokens]
+    """``hidden [T, H]`` of a model without pipeline stages (``padded_stream``: padded to the backend's token
+    multiple, the padded rows cut)."""
+    input_ids, cu_seqlens = padded_stream(model, batch)
+    return model(input_ids, cu_seqlens)[:batch.input_ids.shape[0]]
 
 
 class TrainerWorker:
@@ -61,35 +55,46 @@ class TrainerWorker:
         return self._logprobs(self.model, batch, with_entropy)
 
     def _logprobs(self, model, batch, with_entropy):
-        hidden = _forward_hidden(model, batch)
-        return fused_linear_logprobs(hidden, model.lm_head_weight(), batch.targets, temperature=self.temperature,
-                                     mask=batch.loss_mask, return_entropy=with_entropy)
+        def head(hidden):
+            logp, entropy = fused_linear_logprobs(hidden, model.lm_head_weight(), batch.targets,
+                                                  temperature=self.temperature, mask=batch.loss_mask,
+                                                  return_entropy=with_entropy, tp_group=tp_group_of(model))
+            return (logp, entropy) if with_entropy else (logp,)
 
-    def policy_loss(self, batch: MicroBatch, loss_cfg: LossConfig, *, reuse_old_logp: bool):
+        outputs = last_stage_outputs(model, batch, head, count=2 if with_entropy else 1)
+        return outputs[0], outputs[1] if with_entropy else None
+
+    def policy_loss(self, batch: MicroBatch, loss_cfg: LossConfig, *, reuse_old_logp: bool,
+                    hidden: torch.Tensor | None = None):
         """Loss and metrics of one micro-batch (graph attached). With ``reuse_old_logp`` the old log-probs are
-        this forward's own (detached): exact when weights have not changed since the rollout."""
+        this forward's own (detached): exact when weights have not changed since the rollout. ``hidden``: the
+        model's output for ``batch`` when the caller ran the forward (the pipeline schedule, on the last stage);
+        the LM head runs vocab-parallel under TP."""
         values = batch.token_values
-        hidden = _forward_hidden(self.model, batch)
-        weight = self.model.lm_head_weight()
+        hidden = _forward_hidden(self.model, batch) if hidden is None else hidden
+        weight, group = self.model.lm_head_weight(), tp_group_of(self.model)
         # the engine's log-probs enter the loss only for TIS; they always feed the logprob-gap metric
         optional = dict(ref_logp=values.get("ref_logp"),
                         rollout_logp=values.get("rollout_logp") if loss_cfg.tis else None,
                         cu_seqlens=batch.cu_seqlens)
         if reuse_old_logp:
             logp, entropy = fused_linear_logprobs(hidden, weight, batch.targets, temperature=self.temperature,
-                                                  mask=batch.loss_mask, return_entropy=True)
+                                                  mask=batch.loss_mask, return_entropy=True, tp_group=group)
             loss, metrics = policy_loss(logp, logp.detach(), values["advantages"], batch.loss_mask, cfg=loss_cfg,
                                         entropy=entropy, **optional)
             diff = (logp.detach() - values["rollout_logp"]).abs()
             metrics["rollout_logprob_abs_diff"] = diff[batch.loss_mask].sum() / batch.loss_mask.sum().clamp(min=1)
             return loss, metrics
         return fused_linear_policy_loss(hidden, weight, batch.targets, values["old_logp"], values["advantages"],
-                                        batch.loss_mask, cfg=loss_cfg, temperature=self.temperature, **optional)
+                                        batch.loss_mask, cfg=loss_cfg, temperature=self.temperature, tp_group=group,
+                                        **optional)
 
-    def sft_loss(self, batch: MicroBatch):
-        """Token-mean negative log-likelihood of the masked tokens (at temperature 1)."""
-        hidden = _forward_hidden(self.model, batch)
-        logp, _ = fused_linear_logprobs(hidden, self.model.lm_head_weight(), batch.targets, mask=batch.loss_mask)
+    def sft_loss(self, batch: MicroBatch, hidden: torch.Tensor | None = None):
+        """Token-mean negative log-likelihood of the masked tokens (at temperature 1); ``hidden`` as in
+        ``policy_loss``."""
+        hidden = _forward_hidden(self.model, batch) if hidden is None else hidden
+        logp, _ = fused_linear_logprobs(hidden, self.model.lm_head_weight(), batch.targets, mask=batch.loss_mask,
+                                        tp_group=tp_group_of(self.model))
         loss = -logp.sum() / batch.loss_mask.sum().clamp(min=1)
         return loss, {"sft_loss": loss.detach()}
 
@@ -106,7 +111,7 @@ class TrainerWorker:
     def step(self, batches: list[MicroBatch], weights: list[float], loss_fn) -> dict[str, float]:
         """One optimizer step over micro-batches: Σ weight·loss, clip, step; NaN/inf loss or gradient → skip.
 
-        ``loss_fn(batch) -> (loss, metrics)``; returns metric averages (by weight), ``grad_norm``, ``lr`` and
+        ``loss_fn(batch, hidden=None) -> (loss, metrics)`` (``hidden``: see ``policy_loss``); returns metric averages (by weight), ``grad_norm``, ``lr`` and
         ``skipped`` (1.0 when the step was skipped)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

@@ -47,6 +47,10 @@ class ShardInfo:
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(pieces, shard.contiguous(), group=self.group)
+        return self.assemble(pieces)
+
+    def assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's shard, in group rank order (fused parts put back one by one)."""
         if self.parts is None:
             return torch.cat(pieces, dim=self.dim)
         local = [p // len(pieces) for p in self.parts]
