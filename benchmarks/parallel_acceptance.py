@@ -2,6 +2,9 @@
 
     python3 benchmarks/parallel_acceptance.py OUTDIR              # every run the visible GPUs allow
     python3 benchmarks/parallel_acceptance.py OUTDIR --dry-run    # the plan, the commands, the configs; no run
+    python3 benchmarks/parallel_acceptance.py OUTDIR --cpu --model tiny --base-config examples/quickstart.toml \
+        --dtype float32 --slice-layers 2 --steps 2 --extra "--rollout-batch-size 4 --global-batch-size 32 \
+        --sft-steps 0"                                           # the smoke test on a CPU machine (gloo)
 
 Runs ``redline train`` under torchrun (``examples/qwen3_1p7b_breakdown.toml``'s GRPO workload: addition prompts,
 16 prompts x 8 samples of 128 tokens per rollout, two optimizer steps per rollout, ``--offload-rollout``), with a
@@ -111,12 +114,13 @@ def cli_flags(values: dict) -> list[str]:
     return flags
 
 
-def command(run: Run, *, model_dir: Path, out: Path, steps: int, python: str, extra: list[str]) -> list[str]:
+def command(run: Run, *, model_dir: Path, out: Path, steps: int, python: str, extra: list[str],
+            base_config: Path = BASE_CONFIG, dtype: str = "bfloat16") -> list[str]:
     """The launch of ``run``: torchrun with one process per GPU, the base config, the run's flags."""
     launcher = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.gpus}"]
     flags = {"hf_checkpoint": str(model_dir), "num_rollout": steps, "output_dir": str(out / run.name),
-             "backend": "bf16", "dtype": "bfloat16", "overwrite": True, **run.flags()}
-    return [*launcher, "-m", "redline.cli", "train", str(BASE_CONFIG), *cli_flags(flags), *extra]
+             "backend": "bf16", "dtype": dtype, "overwrite": True, **run.flags()}
+    return [*launcher, "-m", "redline.cli", "train", str(base_config), *cli_flags(flags), *extra]
 
 
 def check_command(argv: list[str]) -> dict:
@@ -198,7 +202,7 @@ def scaling(results: dict[str, dict], runs: list[Run]) -> dict[str, dict]:
 
 def markdown(report: dict) -> str:
     lines = [f"# Issue 17 GPU acceptance ({report['device']}, {report['gpus']} GPUs)", "",
-             f"Model: {MODEL} shape, random weights, fp32 master weights; engine: {report['engine']}. "
+             f"Model: {report['model']} shape, random weights, fp32 master weights; engine: {report['engine']}. "
              f"Medians over steps 2..N (step 1 in brackets). Commit: {report['commit']}.", ""]
     if report["engine"] != "sglang":
         lines += ["**SGLang was not importable: the multi-GPU SGLang engine (--rollout-num-gpus-per-engine > 1) was "
@@ -255,19 +259,23 @@ def resolve_engine(choice: str) -> str:
     return "sglang" if available("sglang") else "embedded"
 
 
-def make_models(out: Path, slice_layers: int, needed: set[str]) -> dict[str, Path]:
-    """The random-weight HF folders the runs need (bf16, drawn on the GPU), made once under ``OUT/models``."""
+def model_dirs(out: Path, model: str, slice_layers: int) -> dict[str, Path]:
+    return {"full": out / "models" / model, "slice": out / "models" / f"{model}-{slice_layers}-layers"}
+
+
+def make_models(dirs: dict[str, Path], model: str, slice_layers: int, needed: set[str], dtype: str) -> None:
+    """The random-weight HF folders the runs need (in the runs' dtype, drawn on the GPU when there is one), made
+    once under ``OUT/models``."""
     import torch
 
     from redline.loop.builtin import builtin_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dirs = {"full": out / "models" / MODEL, "slice": out / "models" / f"{MODEL}-{slice_layers}-layers"}
     for kind in sorted(needed):
         if not (dirs[kind] / "config.json").exists():
-            builtin_model(dirs[kind], MODEL, dtype=torch.bfloat16, device=device,
-                          num_hidden_layers=slice_layers if kind == "slice" else None)
-    return dirs
+            builtin_model(dirs[kind], model, dtype=getattr(torch, dtype), device=device,
+                          num_hidden_layers=slice_layers if kind == "slice" else None,
+                          vocab_multiple=4)  # a character vocabulary that TP=2 and TP=4 split (tiny)
 
 
 def git_describe() -> str:
@@ -287,6 +295,13 @@ def parse_args(argv=None):
     parser.add_argument("--slice-layers", type=int, default=8,
                         help="layers of the scaling runs' model slice (TP=1 must fit one GPU; default 8)")
     parser.add_argument("--engine", choices=["auto", "sglang", "embedded"], default="auto")
+    parser.add_argument("--model", default=MODEL, help=f"built-in model shape (default {MODEL}; tiny for the "
+                                                        "CPU smoke test)")
+    parser.add_argument("--base-config", type=Path, default=BASE_CONFIG,
+                        help="the workload's TOML (default examples/qwen3_1p7b_breakdown.toml)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run on the CPU (gloo, embedded engine): the smoke test of this script at a tiny size")
     parser.add_argument("--only", default=None, help="comma-separated run names to run (default: all planned)")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling runs")
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
@@ -306,9 +321,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    engine = resolve_engine(args.engine)
-    gpus = args.gpus or (4 if visible_gpus() >= 4 else 2 if args.dry_run or visible_gpus() >= 2 else visible_gpus())
-    if not args.dry_run and visible_gpus() < gpus:
+    engine = "embedded" if args.cpu else resolve_engine(args.engine)
+    gpus = args.gpus or (4 if visible_gpus() >= 4 else 2 if args.dry_run or args.cpu or visible_gpus() >= 2
+                         else visible_gpus())
+    if not (args.dry_run or args.cpu) and visible_gpus() < gpus:
         raise SystemExit(f"{gpus} GPUs needed, {visible_gpus()} visible (--dry-run plans without GPUs)")
     runs = plan_runs(gpus, engine, scaling=not args.no_scaling)
     if args.only:
@@ -319,21 +335,22 @@ def main(argv=None) -> int:
         runs = [r for r in runs if r.name in wanted]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    models = {"full": out / "models" / MODEL, "slice": out / "models" / f"{MODEL}-{args.slice_layers}-layers"}
+    models = model_dirs(out, args.model, args.slice_layers)
     extra = args.extra.split()
     commands = {r.name: command(r, model_dir=models[r.model], out=out, steps=args.steps, python=args.python,
-                                extra=extra) for r in runs}
+                                extra=extra, base_config=args.base_config.resolve(), dtype=args.dtype)
+                for r in runs}
     for run in runs:  # every launch's flags parse and its engine layout passes, before anything long starts
         check_engine_layout(run, check_command(commands[run.name]))
-    plan = {"gpus": gpus, "engine": engine, "steps": args.steps, "slice_layers": args.slice_layers,
-            "runs": [{**asdict(r), "command": commands[r.name]} for r in runs]}
+    plan = {"gpus": gpus, "engine": engine, "model": args.model, "steps": args.steps,
+            "slice_layers": args.slice_layers, "runs": [{**asdict(r), "command": commands[r.name]} for r in runs]}
     (out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     if args.dry_run:
         for run in runs:
             print(f"{run.name}: {' '.join(commands[run.name])}")
         return 0
 
-    models = make_models(out, args.slice_layers, {r.model for r in runs})
+    make_models(models, args.model, args.slice_layers, {r.model for r in runs}, args.dtype)
     env = {**os.environ, **MULTICAST_OFF, "COLUMNS": "200"}
     results, failed = {}, False
     for run in runs:
@@ -354,7 +371,7 @@ def main(argv=None) -> int:
     import torch
 
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "gpus": gpus,
-              "engine": engine, "commit": git_describe(), "model": MODEL, "steps": args.steps,
+              "engine": engine, "commit": git_describe(), "model": args.model, "steps": args.steps,
               "slice_layers": args.slice_layers, "runs": results, "scaling": scaling(results, runs)}
     (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "acceptance.md").write_text(markdown(report))

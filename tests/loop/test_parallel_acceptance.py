@@ -103,7 +103,8 @@ def test_scaling_efficiency_is_the_tp1_time_over_gpus_times_the_parallel_time(tm
     assert scaling["slice-tp2-sp"]["meets_target"] is True
     assert scaling["slice-pp2"]["scaling_efficiency"] == pytest.approx(0.8)
     assert scaling["slice-pp2"]["meets_target"] is False
-    report = {"device": "H200", "gpus": 2, "engine": "embedded", "commit": "abc", "scaling": scaling,
+    report = {"device": "H200", "gpus": 2, "engine": "embedded", "commit": "abc", "model": "qwen3-8b",
+              "scaling": scaling,
               "runs": {name: {"run": {"gpus": 1, "tp": 1, "pp": 1, "sp": False, "gpus_per_engine": 1},
                               "status": "ok", **results[name]} for name in times}}
     text = acceptance.markdown(report)
@@ -112,3 +113,19 @@ def test_scaling_efficiency_is_the_tp1_time_over_gpus_times_the_parallel_time(tm
     assert "| slice-tp1 | 1 | 1 | 1 | no | 1 | ok | 6.000 (15.000) | — | — | 2.000 (5.000) |" in text
     assert text.count("| — | 0.0300 |") == 3
     assert "NOT measured" in text  # no SGLang: the summary says the multi-GPU engine did not run
+
+
+@pytest.mark.slow  # a torchrun launch of two gloo ranks (~40 s on the CPU machine)
+def test_the_script_runs_end_to_end_on_the_cpu_at_a_tiny_size(tmp_path):
+    code = acceptance.main([str(tmp_path), "--cpu", "--model", "tiny", "--base-config",
+                            str(acceptance.REPO / "examples" / "quickstart.toml"), "--dtype", "float32",
+                            "--steps", "2", "--no-scaling", "--extra",
+                            "--rollout-batch-size 4 --global-batch-size 32 --sft-steps 0 --eval-interval 0"])
+    report = json.loads((tmp_path / "acceptance.json").read_text())
+    [(name, result)] = report["runs"].items()
+    assert code == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    assert name == "tp2-sp-embedded1" and result["status"] == "ok"
+    summary = result["summary"]
+    assert summary["steps"] == 2 and summary["phases"]["perf/train_time"]["median_s"] > 0
+    assert summary["logprob_gap_max"] is not None
+    assert "| tp2-sp-embedded1 | 2 | 2 | 1 | yes | 1 | ok |" in (tmp_path / "acceptance.md").read_text()
