@@ -217,3 +217,50 @@ def test_start_up_refuses_it_with_engines_on_other_gpus(tmp_path):
 
     with pytest.raises(ConfigError, match="--offload-train .*--no-colocate"):
         check_offload_train(offload_config(tmp_path, offload_train="true", colocate="false"))
+
+
+# ----- in the loop ------------------------------------------------------------------------------------------
+
+def loop_run(tmp_path, monkeypatch, memory, steps: int, **overrides):
+    """``steps`` RL steps of the small run in bf16 (fp32 master weights with or without offload) with
+    --offload-rollout (the recording engine of test_weight_sync); --offload-train's memory is ``memory`` (the
+    host imitation) when given."""
+    from redline.loop import train_offload
+
+    from .test_weight_sync import recorded_run
+
+    if memory is not None:
+        offload = TrainOffload(memory)
+        monkeypatch.setattr(train_offload, "train_offload", lambda device: offload)
+        overrides["offload_train"] = "true"
+    return recorded_run(tmp_path, monkeypatch, steps=steps, offload_rollout="true", dtype="bfloat16", **overrides)
+
+
+def test_the_loop_pauses_the_trainer_around_generation_and_trains_as_without_offload(tmp_path, monkeypatch, memory):
+    state, engine, metrics = loop_run(tmp_path / "offload", monkeypatch, memory, steps=2)
+    _, _, plain = loop_run(tmp_path / "plain", monkeypatch, None, steps=2)
+    offload = state.weight_sync.train
+    assert offload.paused and memory.stats()["mapped_bytes"] == 0  # the next rollout generates beside nothing
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "rollout/reward_mean"):
+        assert [m[key] for m in metrics] == [m[key] for m in plain], key
+    for m in metrics:
+        assert m["perf/pause_train_time"] > 0 and m["perf/trainer_paused_bytes"] == 0
+    assert "perf/resume_train_time" in metrics[1]  # resumed at step 2's release, before its log-probs
+    assert offload.masters() == [state.worker.master]
+
+
+def test_a_checkpoint_reads_the_resumed_trainer_and_the_engine_gets_its_weights_back(tmp_path, monkeypatch, memory):
+    from redline.loop.train_offload import trainer_resident
+
+    state, engine, _ = loop_run(tmp_path, monkeypatch, memory, steps=1)
+    master = state.worker.master
+    calls = len(engine.calls)
+    with trainer_resident(state, "1"):
+        assert not state.weight_sync.train.paused
+        saved = state.worker.optimizer.state_dict()
+    assert state.weight_sync.train.paused
+    # the engine gave its memory up for the checkpoint and got it back around a push of the same weights
+    assert [c[0] for c in engine.calls[calls:]] == ["release_memory", "resume_memory", "update_weights",
+                                                     "resume_memory"]
+    state.loop.run_until_complete(state.weight_sync.release())
+    assert torch.equal(saved["shards"][0]["master"], master.groups[0].master)
