@@ -25,8 +25,8 @@ Per run: ``OUTDIR/<run>/`` (metrics.jsonl, report.md, phase_times.png) and ``OUT
 ``perf/gpu_mem_gb`` (NVML, the GPU's used memory, sampled through the step; max over the steps) when the run
 sampled it. Correctness: the largest ``train/rollout_logprob_abs_diff`` (the engine's log-probs against the
 trainer's on the same tokens) of each run: engine TP ranks loaded with wrong weights (SGLang has no whole-tensor
-check of TP shards) would show as a gap far above the bf16 noise of the single-GPU runs. Exit status: 0 all runs ran and the scaling targets hold, 1 a target missed, 2 a run failed (the
-others still run).
+check of TP shards) would show as a gap far above the bf16 noise of the single-GPU runs. Exit status: 0 all
+runs ran and the scaling targets hold, 1 a target missed, 2 a run failed (the others still run).
 
 ``--engine``: ``auto`` (SGLang when importable, else the embedded engine, which runs unsharded on every GPU
 beside the TP trainer: then ``--rollout-num-gpus-per-engine`` stays 1 and the summary says the multi-GPU engine
