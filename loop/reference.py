@@ -26,8 +26,9 @@ class ReferencePolicy:
         self.resident = resident
         if resident:
             # the copy shares the policy's process groups (a parallelised model holds them; they do not copy)
-            groups = getattr(model, "parallel_state", None)
-            memo = {id(groups): groups} if groups is not None else {}
+            state = getattr(model, "parallel_state", None)
+            shared = [state, state.mesh, state.tp_group, state.pp_group, state.dp_group] if state is not None else []
+            memo = {id(o): o for o in shared}  # layers and shard infos hold the groups themselves too
             self.model = copy.deepcopy(model, memo).requires_grad_(False).eval()
             self.host_weights = None
         else:

@@ -298,6 +298,9 @@ def check_world_size(world_size: int, tp: int, pp: int) -> None:
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if world_size == 1 and tp * pp > 1:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} need "
+                          f"{tp * pp} processes: launch with torchrun --nproc-per-node {tp * pp} (or a multiple)")
     if world_size % (tp * pp):
         raise ConfigError(f"--tensor-model-parallel-size {tp} × --pipeline-model-parallel-size {pp} = {tp * pp} "
                           f"processes per model replica, but torchrun started {world_size} (WORLD_SIZE): the world "
@@ -314,9 +317,6 @@ def check_model_parallel(config, world_size: int) -> None:
                           "--tensor-model-parallel-size > 1 (got 1)")
     if tp * pp == 1:
         return
-    if world_size == 1:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp} need "
-                          f"{tp * pp} processes: launch with torchrun --nproc-per-node {tp * pp} (or a multiple)")
     if not p.colocate:
         raise ConfigError(f"--no-colocate runs the trainer in one process; with --tensor-model-parallel-size {tp} "
                           f"/ --pipeline-model-parallel-size {pp} drop --no-colocate")

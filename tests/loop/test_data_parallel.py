@@ -74,7 +74,7 @@ def test_two_ranks_resume_from_a_checkpoint_on_the_same_trajectory(two_ranks, tm
     resumed = train(tmp_path, "--num-rollout", "3", "--load", str(folder), ranks=2)
     assert_same_records(records[-1:], resumed)
     # found at start-up, before any model loads (the console may wrap the message)
-    with pytest.raises(AssertionError, match=r"(?s)error:.*saved\s+by\s+2\s+data-parallel\s+rank"):
+    with pytest.raises(AssertionError, match=r"(?s)error:.*saved\s+at\s+layout\s+DP=2\s+×\s+TP=1\s+×\s+PP=1"):
         train(tmp_path / "one", "--num-rollout", "3", "--load", str(folder))
 
 

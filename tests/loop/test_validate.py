@@ -174,14 +174,96 @@ def test_weight_buffer_size_must_be_positive(model_dir, data_file):
         validate(config_with(model_dir, data_file, update_weight_buffer_size="0"))
 
 
+def saved_checkpoint(root, ranks: int, layout: dict | None):
+    """A checkpoint folder under ``root`` as ``checkpoint.save`` leaves it: state with its layout (None: a folder
+    from before TP/PP, which recorded none) and one rank state per process."""
+    from redline.loop import state_file
+
+    folder = root / "checkpoints" / "rollout_3"
+    folder.mkdir(parents=True)
+    (root / "checkpoints" / "latest").write_text("rollout_3")
+    state_file.save(folder / "state", {"rollout_id": 3, **({"layout": layout} if layout else {})})
+    for rank in range(ranks):
+        state_file.save(folder / f"rank{rank}", {})
+    return folder
+
+
 def test_load_needs_a_checkpoint_saved_by_as_many_ranks(model_dir, data_file, tmp_path):
     with pytest.raises(ConfigError, match="--load .*nowhere: no checkpoint there"):
         validate(config_with(model_dir, data_file, load=str(tmp_path / "nowhere")))
-    folder = tmp_path / "checkpoints" / "rollout_3"
-    folder.mkdir(parents=True)
-    (tmp_path / "checkpoints" / "latest").write_text("rollout_3")
-    for name in ("state.json", "rank0.json", "rank1.json"):
-        (folder / name).write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"saved by 2 data-parallel rank\(s\).*this run has 1"):
+    saved_checkpoint(tmp_path, ranks=2, layout=None)  # data-parallel only: the rank states count the ranks
+    with pytest.raises(ConfigError, match=r"saved at layout DP=2 × TP=1 × PP=1, this run is DP=1 × TP=1 × PP=1"):
         validate(config_with(model_dir, data_file, load=str(tmp_path)))
     validate(config_with(model_dir, data_file, load=str(tmp_path)), world_size=2)
+
+
+@pytest.fixture(scope="module")
+def even_vocab_model(tmp_path_factory):
+    """The tiny model with its vocabulary padded to a multiple of 2 (the built-in model under TP=2)."""
+    return tiny_model(tmp_path_factory.mktemp("model2"), vocab_multiple=2)
+
+
+def test_model_parallel_layouts_that_fit_pass(even_vocab_model, data_file):
+    validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", sequence_parallel="true"),
+             world_size=2)
+    validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2"), world_size=2)
+    validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2"), world_size=4)
+
+
+def test_world_size_must_be_dp_times_tp_times_pp(even_vocab_model, data_file):
+    config = config_with(even_vocab_model, data_file, tensor_model_parallel_size="2",
+                         pipeline_model_parallel_size="2")
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 × --pipeline-model-parallel-size 2 = 4 "
+                                          r"processes per model replica, but torchrun started 6"):
+        validate(config, world_size=6)
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 / --pipeline-model-parallel-size 2 need "
+                                          r"4 processes: launch with torchrun --nproc-per-node 4"):
+        validate(config, world_size=1)
+
+
+def test_tp_must_divide_heads_kv_heads_and_vocab(model_dir, even_vocab_model, data_file):
+    # the tiny model: 4 attention heads, 2 KV heads, a vocabulary of 19 (20 padded)
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 2 must divide the model's vocab_size \(19"):
+        validate(config_with(model_dir, data_file, tensor_model_parallel_size="2"), world_size=2)
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 3 must divide the model's "
+                                          r"num_attention_heads \(4"):
+        validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="3"), world_size=3)
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 4 must divide the model's "
+                                          r"num_key_value_heads \(2"):
+        validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="4"), world_size=4)
+
+
+def test_pp_needs_a_layer_per_stage(even_vocab_model, data_file):
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size 3 is more than the model's "
+                                          r"num_hidden_layers \(2\)"):
+        validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="3"), world_size=3)
+
+
+def test_sequence_parallel_needs_tp(even_vocab_model, data_file):
+    with pytest.raises(ConfigError, match=r"--sequence-parallel .* needs --tensor-model-parallel-size > 1 \(got 1\)"):
+        validate(config_with(even_vocab_model, data_file, sequence_parallel="true"), world_size=2)
+
+
+def test_batch_sizes_split_over_the_data_parallel_ranks_only(even_vocab_model, data_file):
+    # 4 processes at TP=2 are 2 data-parallel ranks: 6 prompts split over them (not over 4 processes), 3 do not
+    validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", rollout_batch_size="6",
+                         global_batch_size="24"), world_size=4)
+    config = config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", rollout_batch_size="3",
+                         global_batch_size="12")
+    with pytest.raises(ConfigError, match="--rollout-batch-size 3 does not split over 2 data-parallel ranks"):
+        validate(config, world_size=4)
+
+
+def test_ppo_critic_is_refused_under_pp(even_vocab_model, data_file):
+    with pytest.raises(ConfigError, match=r"--advantage-estimator ppo: .* --pipeline-model-parallel-size 2"):
+        validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2",
+                             advantage_estimator="ppo"), world_size=2)
+
+
+def test_load_at_another_layout_is_refused_naming_both(even_vocab_model, data_file, tmp_path):
+    saved_checkpoint(tmp_path, ranks=2, layout={"dp": 1, "tp": 1, "pp": 2})
+    config = config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", load=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"saved at layout DP=1 × TP=1 × PP=2, this run is DP=1 × TP=2 × PP=1"):
+        validate(config, world_size=2)
+    validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2", load=str(tmp_path)),
+             world_size=2)
