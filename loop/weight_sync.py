@@ -206,9 +206,9 @@ class WeightSync:
             await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
         if self.seat is not None:
-            # the leader's update (and cache resume) is over: the server let go of every rank's payload, and no
+            # waits for the leader's update (and cache resume): the server let go of every rank's payload, and no
             # rank generates before the engine has its KV cache back
-            await asyncio.to_thread(_barrier, self.seat.group)
+            await asyncio.to_thread(self._take_leaders_timings)
             if self.device.type == "cuda":
                 torch.cuda.ipc_collect()
 
@@ -247,6 +247,17 @@ class WeightSync:
             if self.mode == "direct":
                 with device_scope(self.device):
                     self.local.check_copies(self.model.export_hf())
+
+    def _take_leaders_timings(self) -> None:
+        """Collective over the seat, after the leader's push: every rank reports the engine's phases as the leader
+        timed them (its own where it has them), so all ranks' metrics have the same keys (the data-parallel
+        reduction needs it)."""
+        import torch.distributed as dist
+
+        box = [self.timings if self.seat.is_leader else None]
+        dist.broadcast_object_list(box, src=self.seat.leader, group=self.seat.group)
+        for key, value in box[0].items():
+            self.timings.setdefault(key, value)
 
     def _serialize_own(self, bucket) -> str:
         """This rank's payload of one bucket: CUDA-IPC handles into a fresh flattened buffer on its GPU."""

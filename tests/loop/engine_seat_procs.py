@@ -68,7 +68,8 @@ def push_through_seat(rank, world, port, offload, results):
         asyncio.run(rounds())
         calls = [(path, body) for path, body in server.calls if path not in ("/server_info", "/health")] \
             if server else None
-        results.put((rank, (calls, engine.weight_version, len(sync.plan.buckets), sync.describe())))
+        results.put((rank, (calls, engine.weight_version, len(sync.plan.buckets), sync.describe(),
+                            sorted(sync.timings))))
         if server:
             server.__exit__()
         dist.destroy_process_group()

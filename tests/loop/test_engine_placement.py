@@ -176,8 +176,11 @@ def test_a_failed_launch_raises_on_every_rank_naming_the_leader():
 def test_each_bucket_reaches_the_server_as_one_request_with_every_ranks_payload(offload):
     outcome = run_ranks(engine_seat_procs.push_through_seat, 2, offload)
     assert all(not isinstance(o, str) for o in outcome.values()), outcome
-    calls, version, buckets, description = outcome[0]
+    calls, version, buckets, description, timed = outcome[0]
     assert outcome[1][0] is None and outcome[1][1] == version == "2"  # every rank's engine holds the last version
+    # every rank reports the same phases (the leader's engine calls included): the DP metric reduction needs it
+    assert timed == outcome[1][4] and "perf/sync_time" in timed
+    assert ("perf/release_time" in timed) == ("perf/resume_kv_time" in timed) == offload
     assert "sglang-tp" in description and "engine TP 2" in description
     assert buckets > 1
     updates = [body for path, body in calls if path == "/update_weights_from_tensor"]
