@@ -100,9 +100,11 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         engine_name += f" (own process on {', '.join(map(str, engine_devices(config)))}; trainer on {device})"
     elif engine_name == "embedded" and config.rollout.embedded_engine_process:
         engine_name += " (own process)"
-    if dp.world > 1:
+    if config.parallel.rollout_num_gpus_per_engine > 1:
+        engine_name += f" (TP={config.parallel.rollout_num_gpus_per_engine} per server)"
+    elif dp.world > 1:
         engine_name += f" (one per data-parallel rank, {dp.world} ranks)"
-    if dp.model_parallel:  # the group's data comes from one engine (model_parallel's docstring)
+    if dp.model_parallel and config.parallel.rollout_num_gpus_per_engine == 1:  # one engine per group, unsharded
         engine_name += (f" (on TP rank 0 of the first pipeline stage of each model-parallel group, unsharded; "
                         f"TP={dp.state.tp} × PP={dp.state.pp} trainer)")
     console.print(f"rollout engine: {engine_name}")
