@@ -130,7 +130,10 @@ class PausableMemory:
             raise RuntimeError(f"PausableMemory.zeros({numel}, {dtype}) failed: "
                                f"{self.lib.redline_vmm_last_error().decode()}")
         if self.device.type == "cuda":
-            raw = torch.as_tensor(_DeviceAllocation(self.lib, pointer, nbytes, index), device=self.device)
+            with torch.cuda.device(self.device):
+                raw = torch.as_tensor(_DeviceAllocation(self.lib, pointer, nbytes, index), device=self.device)
+            if raw.data_ptr() != pointer:  # torch copied instead of viewing: the pause would miss this tensor
+                raise RuntimeError("PausableMemory.zeros: torch copied the native allocation instead of viewing it")
         else:
             raw = torch.frombuffer(_host_allocation(self.lib, pointer, nbytes), dtype=torch.uint8)
         return raw.view(dtype)[:numel].zero_()

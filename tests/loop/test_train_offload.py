@@ -50,8 +50,9 @@ def trainer(offload: TrainOffload | None, *, cpu_offload: bool = False):
 
 def train_step(model, master, optimizer, step: int) -> float:
     generator = torch.Generator().manual_seed(step)
-    input_ids = torch.randint(0, model.hf_config.vocab_size, (12,), generator=generator)
-    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    device = next(model.parameters()).device
+    input_ids = torch.randint(0, model.hf_config.vocab_size, (12,), generator=generator).to(device)
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
     optimizer.zero_grad()
     loss = F.cross_entropy(model.logits(input_ids, cu_seqlens).float()[:-1], input_ids[1:])
     loss.backward()
@@ -264,3 +265,32 @@ def test_a_checkpoint_reads_the_resumed_trainer_and_the_engine_gets_its_weights_
                                                      "resume_memory"]
     state.loop.run_until_complete(state.weight_sync.release())
     assert torch.equal(saved["shards"][0]["master"], master.groups[0].master)
+
+
+# ----- on a GPU (the real driver; the Triton AdamW writes the compute weights the rebuild must reproduce) ------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cpu_offload", [False, True], ids=["masters-on-gpu", "optimizer-cpu-offload"])
+def test_on_a_gpu_the_paused_trainer_frees_its_state_and_resumes_bit_exact(cpu_offload):
+    from redline.loop.train_offload import train_offload
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    offload = train_offload(device)  # the process's one: the native allocator is per process
+    plain_model = bf16_model().to(device)
+    plain_master = MasterWeights(plain_model, offload=cpu_offload)
+    plain = (plain_model, plain_master, MixedPrecisionAdamW(plain_master, lr=1e-3, weight_decay=0.1))
+    model = bf16_model().to(device)
+    master = offload.track(MasterWeights(model, offload=cpu_offload, allocate=offload.allocate))
+    paused = (model, master, MixedPrecisionAdamW(master, lr=1e-3, weight_decay=0.1))
+    for step in range(STEPS):
+        assert train_step(*paused, step) == train_step(*plain, step)
+        plan = offload.make_plan()
+        mapped = offload.memory.stats()["mapped_bytes"]
+        offload.pause_state()
+        offload.pause_weights()
+        assert offload.memory.stats()["mapped_bytes"] == mapped - plan.device_bytes
+        offload.resume()
+        assert all(not g.main_grad.any() for g in master.groups)
+    expected = state_bits(plain[1], plain[2])
+    for name, value in state_bits(master, paused[2]).items():
+        assert torch.equal(value.cpu(), expected[name].cpu()), name
