@@ -113,7 +113,8 @@ class WeightSync:
     ``SAMPLED_ROW_STRIDE``-th row (and each bucket's last). A mismatch raises ``ChecksumMismatch`` (SGLang:
     ``WeightsMismatch``) naming the buckets (parameters). ``timings`` holds the last release's and push's
     phases in seconds under their ``perf/*`` names (the parts of ``redline.loop.metrics.PHASE_PARTS``), and
-    ``perf/trainer_paused_bytes`` where the trainer was paused (or, engine offloaded, only made room).
+    ``perf/trainer_paused_bytes`` where the trainer was paused (or, engine offloaded, only made room) and
+    ``perf/kv_headroom_bytes``, the GPU's free memory as the engine takes its KV cache back.
     ``train_offload``: the trainer's ``TrainOffload`` with ``--offload-train`` (see the module docstring).
     """
 
@@ -203,6 +204,8 @@ class WeightSync:
             self.timings["perf/pause_train_time"] += state_seconds
             self.timings["perf/trainer_paused_bytes"] = self.train.residual_bytes()
         if self.released:
+            if self.device.type == "cuda":  # free memory as the KV cache comes back: what a cache sized by it gets
+                self.timings["perf/kv_headroom_bytes"] = free_device_bytes(self.device)
             await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
         if self.seat is not None:
