@@ -94,10 +94,10 @@ class RolloutConfig:
     custom_generate_function_path: str | None = option(None, "custom generate 'module:function' (multi-turn, tools)")
     partial_rollout: bool = option(False, "return unfinished groups to the buffer")
     async_rollout: Literal["off", "one-step", "full"] = option(
-        "off", "overlap rollout and training (--no-colocate only): one-step (the engines generate rollout k+1 "
-        "while the trainer trains on k) or full (a generation stream keeps --max-inflight trajectories in flight "
-        "across weight updates, which interrupt them: they continue with the new weights); redline.loop."
-        "async_schedule")
+        "off", "overlap rollout and training (--no-colocate; on one GPU, an --embedded-engine-process): one-step "
+        "(the engines generate rollout k+1 while the trainer trains on k) or full (a generation stream keeps "
+        "--max-inflight trajectories in flight across weight updates, which interrupt them: they continue with the "
+        "new weights); redline.loop.async_schedule")
     max_inflight: int | None = option(None, "--async-rollout full: trajectories generated and not yet taken by the "
                                       "trainer, at most (default: one rollout batch, rollout_batch_size x "
                                       "n_samples_per_prompt)")

@@ -4,7 +4,8 @@ The step (``redline.loop.step.rl_step``) is the same in every schedule: it asks 
 its batch, trains on it between ``overlap_begin()`` and ``overlap_end()``, then calls
 ``state.weight_sync.push``. An async schedule puts wrappers in place of ``state.rollout`` and
 ``state.weight_sync`` that give those calls its meaning, and runs the event loop in a helper thread while the
-trainer trains in this one, so the engines (in processes of their own: ``--no-colocate``) keep generating:
+trainer trains in this one, so the engines keep generating in processes of their own: ``--no-colocate``, or on
+one GPU an embedded engine process beside the trainer (``--embedded-engine-process``, weights by CUDA IPC):
 
 * ``off`` (``Synchronous``): generate → train → push, in series.
 * ``one-step`` (``OneStepOff``, slime's ``train_async.py``): ``generate`` hands over rollout k, generated while
@@ -38,7 +39,6 @@ import threading
 import time
 
 import torch
-
 from redline.configfile import ConfigError
 from redline.rollout.manager import RolloutOutput
 from redline.rollout.sample_buffer import oldest_version, staleness
@@ -61,10 +61,14 @@ def check_async(config, world_size: int = 1) -> None:
                 raise ConfigError(f"{flag} applies to --async-rollout one-step or full; without it the step pushes "
                                   "after every rollout")
         return
-    if config.parallel.colocate:
-        raise ConfigError(f"--async-rollout {mode} needs --no-colocate: the engines generate on GPUs (or, on a CPU "
-                          f"machine, in processes) of their own while the trainer trains; colocated they share "
-                          f"the trainer's GPU")
+    if config.parallel.colocate and not (r.embedded_engine_process and r.rollout_engine == "embedded"):
+        raise ConfigError(f"--async-rollout {mode} needs --no-colocate: the engines generate in processes (on GPUs) "
+                          f"of their own while the trainer trains, and a colocated engine shares the trainer's "
+                          f"process and GPU (on one GPU, --rollout-engine embedded --embedded-engine-process runs "
+                          f"the engine as a second process beside the trainer)")
+    if config.parallel.colocate and config.sync.offload_rollout:
+        raise ConfigError(f"--async-rollout {mode} with --offload-rollout: the engine generates while the trainer "
+                          f"trains, so it cannot give its memory back meanwhile; drop --offload-rollout")
     if world_size > 1:
         raise ConfigError(f"--async-rollout {mode} runs the trainer in one process, not {world_size} torchrun ranks")
     if config.algo.loss_type == "sft":

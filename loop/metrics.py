@@ -19,6 +19,9 @@ PHASE_PARTS = {
     "perf/update_weights_time": ("perf/pause_train_time", "perf/resume_weights_time", "perf/sync_time",
                                  "perf/check_weights_time", "perf/resume_kv_time"),
 }
+# An async step (--async-rollout) generates while it trains: its rollout phase is the trainer's wait for the
+# batch (perf/train_wait_time), and perf/rollout_time the engines' generating time, which overlaps the others.
+OVERLAPPED = {"perf/rollout_time": "perf/train_wait_time"}
 PHASE_PLOT = "phase_times.png"  # stacked seconds per phase (phase_segments), drawn apart from PLOTS
 PLOTS = {
     "reward.png": ("rollout/reward_mean", "eval/reward_mean"),
@@ -46,11 +49,17 @@ def short(key: str) -> str:
     return key.removeprefix("perf/").removesuffix("_time")
 
 
+def phase_key(key: str, record: dict) -> str:
+    """The record's key for the phase ``key``: its ``OVERLAPPED`` stand-in when the record has one."""
+    return OVERLAPPED[key] if key in OVERLAPPED and OVERLAPPED[key] in record else key
+
+
 def phase_segments(record: dict) -> list[tuple[str, float]]:
     """``(name, seconds)`` stacking up to the record's ``perf/step_time``: each phase of ``PHASES``, or where the
     record has parts of it (``PHASE_PARTS``), those parts and ``"<phase>: other"``, the rest of the phase."""
     segments = []
     for key in PHASES:
+        key = phase_key(key, record)
         total = record.get(key, 0.0)
         parts = [(short(p), record[p]) for p in PHASE_PARTS.get(key, ()) if p in record]
         if parts:
@@ -198,6 +207,7 @@ class MetricsLog:
                  "| phase | seconds | share |", "| --- | ---: | ---: |"]
         mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)
         for key in PHASES:
+            key = phase_key(key, rows[-1])
             lines.append(f"| {short(key)} | {mean(key):.4f} | {mean(key) / step:.1%} |")
             for part in PHASE_PARTS.get(key, ()):
                 if any(part in r for r in rows):
