@@ -111,8 +111,8 @@ class TrainerWorker:
     def step(self, batches: list[MicroBatch], weights: list[float], loss_fn) -> dict[str, float]:
         """One optimizer step over micro-batches: Σ weight·loss, clip, step; NaN/inf loss or gradient → skip.
 
-        ``loss_fn(batch, hidden=None) -> (loss, metrics)`` (``hidden``: see ``policy_loss``); returns metric averages (by weight), ``grad_norm``, ``lr`` and
-        ``skipped`` (1.0 when the step was skipped)."""
+        ``loss_fn(batch, hidden=None) -> (loss, metrics)`` (``hidden``: see ``policy_loss``); returns metric
+        averages (by weight), ``grad_norm``, ``lr`` and ``skipped`` (1.0 when the step was skipped)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         result = accumulate_and_clip(self.model, batches, weights, loss_fn, device=self.device,
