@@ -3,6 +3,8 @@
     python3 benchmarks/async_acceptance.py OUTDIR                  # on one GPU (an H100): 6 runs
     python3 benchmarks/async_acceptance.py OUTDIR --dry-run        # the commands only
     python3 benchmarks/async_acceptance.py OUTDIR --cpu --steps 6  # the smoke test on a CPU machine
+    python3 benchmarks/async_acceptance.py OUTDIR --shapes 1p7b    # one workload; later invocations into the
+                                                                   # same OUTDIR add their runs to the report
 
 Two workloads, each run three times (``sync``, ``one-step``, ``full --max-staleness 1``) for ``--steps`` RL steps:
 
@@ -67,6 +69,20 @@ def command(shape: str, mode: str, *, out: Path, steps: int, placement: str, pyt
     return argv + extra
 
 
+def checked(argv: list[str]):
+    """The run's config as its launch gives it, parsed by the real ``redline train`` CLI (nothing runs) and put
+    through the async start-up checks; raises on an unknown flag or value or a refused combination."""
+    from parallel_acceptance import check_command
+    from redline.config import RunConfig
+    from redline.configfile import apply_overrides
+    from redline.loop.async_schedule import check_async
+
+    flags = {key: value for section in check_command(argv).values() for key, value in section.items()}
+    config = apply_overrides(RunConfig(), flags)
+    check_async(config)
+    return config
+
+
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -129,9 +145,10 @@ def markdown(report: dict) -> str:
                  fmt(s, "sync_time"), fmt(s, "overlap_ratio", ".2f"), fmt(s, "train_wait_time"),
                  fmt(s, "rollout_wait_time"), fmt(s, "staleness_max", ".0f"), fmt(s, "eval_reward")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Target: one-step step time <= {TARGET} x max(rollout, train) + sync (the sync run's phases).", "",
-              "| workload | sync step s | one-step step s | bound (sync phases) | bound (own phases) | speed-up | met |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    target = f"Target: one-step step time <= {TARGET} x max(rollout, train) + sync (the sync run's phases)."
+    columns = ["workload", "sync step s", "one-step step s", "bound (sync phases)", "bound (own phases)", "speed-up",
+               "met"]
+    lines += ["", target, "", "| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * 5 + " --- |"]
     for shape, t in report["targets"].items():
         lines.append(f"| {shape} | {t['sync_step_time']:.3f} | {t['one_step_time']:.3f} | "
                      f"{t['bound_from_sync_phases']:.3f} | {t['bound_from_own_phases']:.3f} | {t['speedup']:.2f}x | "
@@ -171,6 +188,7 @@ def parse_args(argv=None):
     parser.add_argument("out", type=Path, help="folder for the runs and async_acceptance.{json,md}")
     parser.add_argument("--steps", type=int, default=20, help="RL steps per run (default 20)")
     parser.add_argument("--shapes", default="50m,1p7b", help="comma-separated of: " + ", ".join(SHAPES))
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated of: " + ", ".join(MODES))
     parser.add_argument("--placement", choices=["auto", *PLACEMENTS], default="auto",
                         help="auto: cpu without CUDA, two-gpus with two or more GPUs, else one-gpu")
     parser.add_argument("--cpu", action="store_true", help="the smoke test: the tiny quickstart on the CPU "
@@ -185,9 +203,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     shapes = args.shapes.split(",")
-    unknown = set(shapes) - set(SHAPES)
-    if unknown:
-        raise SystemExit(f"--shapes {sorted(unknown)}: not one of {sorted(SHAPES)}")
+    modes = args.modes.split(",")
+    for flag, given, known in [("--shapes", shapes, SHAPES), ("--modes", modes, MODES)]:
+        if set(given) - set(known):
+            raise SystemExit(f"{flag} {sorted(set(given) - set(known))}: not one of {sorted(known)}")
     if args.cpu:
         SHAPES["50m"] = REPO / "examples" / "quickstart.toml"
         shapes = [s for s in shapes if s == "50m"]
@@ -198,15 +217,19 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     models = {} if args.dry_run or "1p7b" not in shapes else {"1p7b": make_model(out)}
-    runs = [(shape, mode) for shape in shapes for mode in MODES]
+    runs = [(shape, mode) for shape in shapes for mode in modes]
     commands = {f"{s}-{m}": command(s, m, out=out, steps=args.steps, placement=placement, python=args.python,
                                     model_dirs=models, extra=args.extra.split()) for s, m in runs}
+    for launch in commands.values():  # every launch parses and passes the checks before anything long starts
+        checked(launch)
     if args.dry_run:
         for name, launch in commands.items():
             print(f"{name}: {' '.join(launch)}")
         return 0
     env = {**os.environ, "COLUMNS": "200", "NCCL_NVLS_ENABLE": "0"}
-    results, failed = {}, False
+    saved = out / "async_acceptance.json"  # runs of earlier invocations into OUTDIR stay in the report
+    results = json.loads(saved.read_text())["runs"] if saved.exists() else {}
+    failed = False
     for name, launch in commands.items():
         start = time.perf_counter()
         log = out / f"{name}.log"
