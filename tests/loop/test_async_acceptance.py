@@ -9,7 +9,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import async_acceptance as acceptance  # noqa: E402
+import async_acceptance as acceptance
 
 
 @pytest.mark.parametrize("placement", ["one-gpu", "two-gpus", "cpu"])
