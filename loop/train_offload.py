@@ -24,10 +24,9 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
-
 from redline.loop.training_memory import size as _size
 from redline.trainer.mixed_precision import MasterWeights
 
@@ -189,7 +188,7 @@ class TrainOffload:
         return self.cache_bytes + self.memory.stats()["mapped_bytes"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def train_offload(device: torch.device) -> TrainOffload:
     """The process's ``TrainOffload`` on ``device`` (the native allocator is one per process)."""
     from redline.sync.memory import PausableMemory

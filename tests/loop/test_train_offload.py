@@ -9,10 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-
 from redline.configfile import ConfigError
 from redline.loop.train_offload import TrainOffload
-from redline.sync.memory import NativeLibraryMissing, PausableMemory, native_library_path
+from redline.sync.memory import (
+    NativeLibraryMissing,
+    PausableMemory,
+    native_library_path,
+)
 from redline.trainer.mixed_precision import MasterWeights, MixedPrecisionAdamW
 from redline.trainer.models import from_config
 
@@ -110,7 +113,7 @@ def test_training_continues_identically_to_a_run_without_offload(memory):
 
 def test_the_plan_drops_gradients_rebuilds_compute_weights_and_keeps_masters_and_moments(memory):
     offload = TrainOffload(memory)
-    model, master, optimizer = trainer(offload)
+    _, master, _ = trainer(offload)
     plan = offload.make_plan()
     assert [(g.name, g.action, g.stage) for g in plan.groups] == [
         ("gradients (fp32 main grad)", "zeros", "state"), ("master weights (fp32)", "host", "state"),
@@ -158,7 +161,7 @@ def test_with_optimizer_cpu_offload_the_compute_weights_go_to_pinned_host_memory
 
 def test_a_dropped_optimizers_moments_leave_the_plan(memory):
     offload = TrainOffload(memory)
-    model, master, optimizer = trainer(offload)
+    _, master, _ = trainer(offload)
     warm_up = MixedPrecisionAdamW(master, lr=1e-3)  # the SFT warm-up's own moments
     moments = lambda: next(g for g in offload.make_plan().groups if g.name == "Adam moments (fp32)")
     assert len(moments().tensors) == 4
@@ -238,7 +241,7 @@ def loop_run(tmp_path, monkeypatch, memory, steps: int, **overrides):
 
 
 def test_the_loop_pauses_the_trainer_around_generation_and_trains_as_without_offload(tmp_path, monkeypatch, memory):
-    state, engine, metrics = loop_run(tmp_path / "offload", monkeypatch, memory, steps=2)
+    state, _, metrics = loop_run(tmp_path / "offload", monkeypatch, memory, steps=2)
     _, _, plain = loop_run(tmp_path / "plain", monkeypatch, None, steps=2)
     offload = state.weight_sync.train
     assert offload.paused and memory.stats()["mapped_bytes"] == 0  # the next rollout generates beside nothing

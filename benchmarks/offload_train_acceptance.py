@@ -1,0 +1,190 @@
+"""Issue 16's ``--offload-train`` acceptance on one GPU, from the loop's own metrics, in one command:
+
+    python3 benchmarks/offload_train_acceptance.py OUTDIR [--shapes qwen3-1.7b,qwen3-4b] [--steps 4]
+
+1. builds redline's native library (``cmake`` into ``build/native``; the VMM allocator behind PausableMemory)
+   and points every run at it (``REDLINE_NATIVE_LIBRARY``): an older library on the machine lacks
+   ``redline_vmm_pause_some``;
+2. per shape (a built-in model with that Qwen3 config and random bf16 weights, made once in OUTDIR/models/),
+   ``redline train examples/qwen3_1p7b_breakdown.toml`` colocated with the in-process embedded engine,
+   ``--backend bf16 --offload-rollout`` (fp32 master weights and AdamW moments on the GPU; the 4B shape with
+   ``--recompute full --max-tokens-per-gpu 4096``), ``--steps`` RL steps each, with ``--no-offload-train`` and
+   with ``--offload-train``; a run that does not fit (the 4B trainer's 72 GB of state beside the engine) is
+   reported as such, with its last error line;
+3. writes OUTDIR/<shape>-<mode>/ (metrics.jsonl, report.md with the phase plot), OUTDIR/<shape>-<mode>.log,
+   OUTDIR/summary.md and OUTDIR/summary.json: per run the medians over the steps after the first of every
+   phase of the colocated transition (release → resume train → … → pause train → resume engine weights →
+   sync → resume KV), ``perf/trainer_paused_bytes`` (the paused trainer's GPU memory),
+   ``perf/kv_headroom_bytes`` (free GPU memory as the engine takes its KV cache back: what an engine that
+   sizes its cache by free memory, as SGLang does, would get), the embedded engine's KV cache (its rows ×
+   slots, fixed by the config), and the transition against the sync alone (the issue's target with SGLang:
+   ≤ 2× the sync).
+
+The kernel warm-up is off (``REDLINE_KERNEL_WARMUP=0``) to keep the runs short: step 1 pays the compilation and
+is left out of the medians. ``--config`` and ``--shapes`` take any TOML and built-in model (the CPU smoke test
+runs ``tiny``: the run without offload completes, the one with it is refused at start-up for want of a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"no-offload-train": "--no-offload-train", "offload-train": "--offload-train"}
+TRANSITION = ("perf/release_time", "perf/resume_train_time", "perf/pause_train_time", "perf/resume_weights_time",
+              "perf/sync_time", "perf/check_weights_time", "perf/resume_kv_time")
+TOTALS = ("perf/offload_rollout_time", "perf/update_weights_time", "perf/rollout_time", "perf/train_time",
+          "perf/logprob_time", "perf/step_time")
+BYTES = ("perf/trainer_paused_bytes", "perf/kv_headroom_bytes")
+RUN_TIMEOUT_S = 900
+# the 4B trainer's state alone is 72 GB (bf16 weights, fp32 grads, masters, two moments): its activations must be
+# small to train at all on an 80 GB GPU
+SHAPE_FLAGS = {"qwen3-4b": ["--recompute", "full", "--max-tokens-per-gpu", "4096"]}
+
+
+def build_native(out: Path) -> dict[str, str]:
+    """The environment that points runs at a freshly built native library (the installed one when no CUDA
+    toolkit is here to build it)."""
+    if shutil.which("cmake") and (shutil.which("nvcc") or os.environ.get("CUDA_HOME")):
+        build = ROOT / "build" / "native"
+        for command in (["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"],
+                        ["cmake", "--build", str(build), "-j", "8"]):
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            (out / "native-build.log").open("a").write(done.stdout + done.stderr)
+            if done.returncode != 0:
+                sys.exit(f"building the native library failed ({' '.join(command)}); see {out / 'native-build.log'}")
+        print(f"native library: built {build / 'libredline_native.so'}")
+        return {"REDLINE_NATIVE_LIBRARY": str(build / "libredline_native.so")}
+    print("native library: no cmake/nvcc here; the runs use the installed one (--offload-train refuses to start "
+          "when it is missing or out of date, saying how to build it)")
+    return {}
+
+
+def make_model(folder: Path, name: str) -> None:
+    """The built-in model ``name`` (random bf16 weights) as an HF folder, in a child process (this one keeps no
+    GPU memory)."""
+    if (folder / "config.json").is_file():
+        return
+    code = ("import sys, torch; from pathlib import Path; from redline.loop.builtin import builtin_model; "
+            "builtin_model(Path(sys.argv[1]), sys.argv[2], dtype=torch.bfloat16, "
+            "device='cuda' if torch.cuda.is_available() else 'cpu')")
+    subprocess.run([sys.executable, "-c", code, str(folder), name], check=True)
+
+
+def train(out: Path, run: str, config: str, model: Path, steps: int, flags: list[str], env: dict[str, str]) -> dict:
+    """One ``redline train``; returns ``{"ok": bool, "error": last error line, "flags": [...]}``."""
+    command = [sys.executable, "-m", "redline.cli", "train", config, "--hf-checkpoint", str(model),
+               "--backend", "bf16", "--num-rollout", str(steps), "--offload-rollout", *flags,
+               "--output-dir", str(out / run), "--overwrite"]
+    log = out / f"{run}.log"
+    print(f"{run}: {' '.join(command[2:])}", flush=True)
+    with log.open("w") as sink:
+        try:
+            code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, check=False,
+                                  env={**os.environ, "COLUMNS": "200", "REDLINE_KERNEL_WARMUP": "0", **env}).returncode
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {RUN_TIMEOUT_S} s", "flags": flags}
+    lines = log.read_text(errors="replace").splitlines()
+    errors = [line for line in lines if "error" in line.lower() or "Error" in line]
+    return {"ok": code == 0, "error": "" if code == 0 else (errors[-1] if errors else f"exit status {code}"),
+            "flags": flags}
+
+
+def kv_cache_bytes(config_path: str, model: Path) -> int:
+    """The embedded engine's KV cache: K and V of every layer for its rows × slots, bf16."""
+    from redline.config import RunConfig
+    from redline.configfile import load_toml
+    from redline.loop.rollout_setup import engine_rows, engine_seq_len
+
+    config = load_toml(RunConfig, config_path)
+    hf = json.loads((model / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    slots = engine_seq_len(config, hf.get("max_position_embeddings", 4096))
+    return 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * engine_rows(config) * slots * 2
+
+
+def medians(run_dir: Path) -> dict[str, float]:
+    """Medians over the steps after the first of the transition's phases, the step totals and the byte metrics."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [r for r in rows if "perf/update_weights_time" in r]
+    steady = rows[1:] or rows
+    out = {key: statistics.median(r[key] for r in steady) for key in TRANSITION + TOTALS + BYTES
+           if steady and all(key in r for r in steady)}
+    out["steps"] = len(rows)
+    return out
+
+
+def ms(seconds) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def gib(nbytes) -> str:
+    return "–" if nbytes is None else f"{nbytes / 2**30:.2f}"
+
+
+def summary(out: Path, results: dict) -> str:
+    phases = " | ".join(k.removeprefix("perf/").removesuffix("_time") for k in TRANSITION)
+    lines = ["# `--offload-train` in `redline train` (colocated in-process embedded engine, --offload-rollout)", "",
+             ("Medians of the steps after the first; ms unless marked. transition = perf/offload_rollout_time + "
+              "perf/update_weights_time (release → resume train → … → pause train → resume engine weights → sync → "
+              "resume KV); the issue's target with SGLang: transition ≤ 2× the sync alone."), "",
+             (f"| run | ok | {phases} | transition | transition / sync | trainer paused (GiB) | KV headroom (GiB) "
+              "| engine KV cache (GiB) | step (s) |"),
+             "| --- | --- |" + " ---: |" * (len(TRANSITION) + 6)]
+    for run, result in results.items():
+        m = result["medians"]
+        transition = (m["perf/offload_rollout_time"] + m["perf/update_weights_time"]
+                      if "perf/update_weights_time" in m and "perf/offload_rollout_time" in m else None)
+        ratio = f"{transition / m['perf/sync_time']:.2f}×" if transition and m.get("perf/sync_time") else "–"
+        result["transition_s"] = transition
+        cells = [ms(m.get(k)) for k in TRANSITION]
+        step = f"{m['perf/step_time']:.2f}" if "perf/step_time" in m else "–"
+        ok = "yes" if result["ok"] else f"no: {result['error'][:160]}"
+        lines.append(f"| {run} `{' '.join(result['flags'])}` | {ok} | " + " | ".join(cells)
+                     + f" | {ms(transition)} | {ratio} | {gib(m.get('perf/trainer_paused_bytes'))} | {gib(m.get('perf/kv_headroom_bytes'))} | "
+                     f"{gib(result['kv_cache_bytes'])} | {step} |")
+    lines += ["", ("Per-step values: OUTDIR/<run>/metrics.jsonl; the phase plot: OUTDIR/<run>/phase_times.png; the "
+                   "memory table of the training state and the offload plan: OUTDIR/<run>.log.")]
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--shapes", default="qwen3-1.7b,qwen3-4b", help="built-in models, comma-separated")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--config", default=str(ROOT / "examples" / "qwen3_1p7b_breakdown.toml"))
+    parser.add_argument("--extra", default="", help="more `redline train` flags for every run, one string")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = build_native(out)
+    results = {}
+    for shape in args.shapes.split(","):
+        model = out / "models" / shape
+        make_model(model, shape)
+        for mode, flag in MODES.items():
+            run = f"{shape}-{mode}"
+            flags = [flag, *SHAPE_FLAGS.get(shape, []), *args.extra.split()]
+            result = train(out, run, args.config, model, args.steps, flags, env)
+            result.update(medians=medians(out / run), kv_cache_bytes=kv_cache_bytes(args.config, model))
+            results[run] = result
+    print(summary(out, results))
+    return 0 if any(r["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
