@@ -137,6 +137,9 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         console.print(f"data parallel: {dp.world} ranks, fp32 master weights and AdamW moments sharded over them "
                       "(ZeRO-1)")
     console.print("training state (this rank):\n" + "\n".join(training_memory(worker, critic)))
+    if train_cfg.offload_train:
+        console.print("--offload-train, while the engine generates:\n"
+                      + "\n".join(train_offload(device).make_plan().table()), markup=False)
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, weight_sync=weight_sync,
                     loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic, dp=dp), tokenizer
 

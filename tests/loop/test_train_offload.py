@@ -128,6 +128,8 @@ def test_the_plan_drops_gradients_rebuilds_compute_weights_and_keeps_masters_and
         assert g.device_bytes == expected_device[g.name], g.name
         assert g.host_bytes == expected_host.get(g.name, 0), g.name
     assert plan.device_bytes == sum(expected_device.values()) and plan.host_bytes == 12 * shard
+    table = plan.table()
+    assert len(table) == 2 + len(plan.groups) + 1 and "rebuilt from the fp32 master weights" in table[-2]
 
 
 def test_each_stage_releases_what_the_plan_says_and_the_paused_trainer_holds_nothing_pausable(memory):
