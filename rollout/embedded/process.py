@@ -120,7 +120,10 @@ class EmbeddedEngineProcess:
             if message is None:
                 return
             call_id, ok, value = pickle.loads(message)
-            loop, future = self._waiting.pop(call_id)
+            waiting = self._waiting.pop(call_id, None)
+            if waiting is None:  # failed by ``kill`` meanwhile
+                continue
+            loop, future = waiting
 
             def resolve(future=future, ok=ok, value=value):
                 if future.done():
@@ -218,16 +221,16 @@ class EmbeddedEngineProcess:
         return self._process.pid
 
     def kill(self) -> None:
-        """Stop a dead or hung engine without asking it: SIGKILL the process, end the reader thread, and fail every
-        call still waiting for an answer with ``EngineProcessDied``. Idempotent; the object is shut down after."""
+        """Stop a dead or hung engine without asking it: SIGKILL the process and fail every call still waiting for
+        an answer with ``EngineProcessDied``. Idempotent; the object is shut down after. The reader thread (a daemon)
+        is left blocked on the reply queue: a process killed while writing a reply may hold the queue's write lock
+        for ever, so nothing can be put there to end it."""
         if self._closed:
             return
         self._closed = True
         self._process.kill()
         self._process.join()
         self._weight_conn.close()
-        self._replies.put(None)
-        self._reader.join()
         waiting, self._waiting = self._waiting, {}
         for call_id, (loop, future) in waiting.items():
             error = EngineProcessDied(f"the embedded engine process (pid {self._process.pid}) was killed")

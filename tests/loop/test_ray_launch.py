@@ -1,0 +1,76 @@
+"""``redline train --ray-address``: the quickstart placed by Ray takes the steps it takes without Ray, on one
+local node and on a simulated two-node cluster (``ray.cluster_utils.Cluster``, each node with its own CPU)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .test_data_parallel import REPO, assert_same_records
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+QUICKSTART = ["examples/quickstart.toml", "--sft-steps", "3", "--eval-interval", "2"]
+RAY_PREFIX = re.compile(r"(\x1b\[\d+m)?\((TrainerRank|raylet)[^)]*\)(\x1b\[0m)? ?")
+FAULT_METRICS = ("rollout/engine_restarts", "rollout/retried_requests")  # engine processes under fault tolerance
+
+
+def without_fault_counters(records):
+    return [{k: v for k, v in r.items() if k not in FAULT_METRICS} for r in records]
+
+
+def train(out, *args, env=None, check=True):
+    """``redline train`` of the quickstart in a subprocess: (records, console)."""
+    cmd = [sys.executable, "-m", "redline.cli", "train", *QUICKSTART, "--output-dir", str(out), *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RAY_DEDUP_LOGS": "0", **(env or {})})
+    # the console wraps long lines, and Ray prefixes each line of an actor with its name and pid
+    console = " ".join(RAY_PREFIX.sub("", done.stdout + done.stderr).split())
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = out / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return records, console, done.returncode
+
+
+@pytest.fixture(autouse=True)
+def cpu_only():
+    if torch.cuda.is_available():
+        pytest.skip("CPU bundles; the GPU acceptance is benchmarks/ray_acceptance.sh")
+
+
+def test_quickstart_on_a_local_ray_runtime_takes_the_single_process_steps(tmp_path):
+    records, console, _ = train(tmp_path / "ray", "--num-rollout", "3", "--ray-address", "local")
+    single, _, _ = train(tmp_path / "single", "--num-rollout", "3")
+    assert "ray: rank 0 on node" in console and "model " in console  # the rank's lines reach the driver
+    assert_same_records(single, records)
+    assert [r["rollout/samples"] for r in records[1:]] == [200.0] * 3  # 25 prompts x 8 samples, every step
+    placement = json.loads((tmp_path / "ray" / "placement.json").read_text())
+    assert [row["rank"] for row in placement] == [0] and placement[0]["gpu"] is None
+
+
+def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the driver's node hosts no rank
+    try:
+        for name in ("node_a", "node_b"):  # one CPU each: the group's two bundles cannot share a node
+            cluster.add_node(num_cpus=1, resources={name: 1})
+        cluster.wait_for_nodes()
+        batch = ["--rollout-batch-size", "24", "--global-batch-size", "192", "--num-rollout", "3"]
+        records, console, _ = train(tmp_path / "ray", *batch, "--embedded-engine-process", "--actor-num-nodes", "2",
+                                    "--ray-address", cluster.address)
+    finally:
+        cluster.shutdown()
+    single, _, _ = train(tmp_path / "single", *batch)
+    placement = json.loads((tmp_path / "ray" / "placement.json").read_text())
+    (seen_0,), (seen_1,) = (row["attempts"] for row in placement)
+    assert seen_0["node_id"] == placement[0]["node_id"] and seen_1["node_id"] == placement[1]["node_id"]
+    assert seen_0["node_id"] != seen_1["node_id"]  # a trainer rank on each node ...
+    # ... and each rank's engine process, which the rank starts as its child on its own node
+    assert "rollout engine: embedded (own process) (one per data-parallel rank, 2 ranks)" in console
+    assert [r["rollout/engine_restarts"] for r in records[1:]] == [0] * 3
+    assert_same_records(single, without_fault_counters(records))
