@@ -37,13 +37,13 @@ STATE, WEIGHTS = "state", "weights"  # the stages: before the engine resumes its
 
 
 def offload_train_enabled(config) -> bool:
-    """``--offload-train`` as set, else on with a colocated SGLang engine (slime's ``--colocate``) and off
-    otherwise."""
+    """``--offload-train`` as set, else on with a colocated SGLang engine (slime's ``--colocate``) on a CUDA GPU
+    (the only place SGLang runs; the CPU tests' stand-in servers keep it off) and off otherwise."""
     from redline.loop.rollout_setup import resolve_engine
 
     if config.train.offload_train is not None:
         return config.train.offload_train
-    return config.parallel.colocate and resolve_engine(config) == "sglang"
+    return config.parallel.colocate and resolve_engine(config) == "sglang" and torch.cuda.is_available()
 
 
 @dataclass(frozen=True)

@@ -186,13 +186,16 @@ def offload_config(tmp_path, **overrides):
     return small_config(tmp_path, **overrides)
 
 
-def test_the_flag_is_off_by_default_with_the_embedded_engine_and_on_with_colocated_sglang(tmp_path, monkeypatch):
+def test_the_flag_is_off_by_default_with_the_embedded_engine_and_on_with_colocated_sglang_on_a_gpu(tmp_path, monkeypatch):
     from redline.loop import rollout_setup
     from redline.loop.train_offload import offload_train_enabled
 
     assert not offload_train_enabled(offload_config(tmp_path))
     assert offload_train_enabled(offload_config(tmp_path, offload_train="true"))
     monkeypatch.setattr(rollout_setup, "resolve_engine", lambda config: "sglang")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not offload_train_enabled(offload_config(tmp_path))  # a stand-in SGLang server on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert offload_train_enabled(offload_config(tmp_path))
     assert not offload_train_enabled(offload_config(tmp_path, offload_train="false"))
     assert not offload_train_enabled(offload_config(tmp_path, colocate="false"))
