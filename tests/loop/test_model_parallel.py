@@ -78,8 +78,8 @@ def assert_same_steps(expected, actual):
         keys = sorted(k for k in want if not k.startswith("perf/"))
         assert keys == sorted(k for k in got if not k.startswith("perf/"))
         for key in keys:
-            if key.startswith(("rollout/", "eval/")):
-                assert got[key] == want[key], (want["step"], key)
+            if key.startswith(("rollout/", "eval/")):  # the same samples (means over DP ranks up to rounding)
+                assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-12), (want["step"], key)
             else:
                 assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-3), (want["step"], key)
 
@@ -105,11 +105,35 @@ def test_parallel_run_takes_the_single_process_steps_and_resumes(layout, single_
                     processes=processes)
     assert_same_steps(single, records)
     assert records[1]["train/kl"] > 0  # the reference pass ran through the parallel model
-    exported, expected = load_file(out / "hf" / "model.safetensors"), load_file(single_out / "hf" / "model.safetensors")
+    exported = load_file(out / "hf" / "model.safetensors")
+    expected = load_file(single_out / "hf" / "model.safetensors")
     assert sorted(exported) == sorted(expected)
-    for name in expected:
-        torch.testing.assert_close(exported[name], expected[name], rtol=0, atol=1e-4, msg=name)
+    for name in expected:  # Adam moves a weight whose gradient is ~0 by up to lr (2e-3) a step, whatever its sign's
+        # ulps: sums in another order leave a few such elements 1e-4 apart after 9 steps, the rest within 1e-5
+        torch.testing.assert_close(exported[name], expected[name], rtol=0, atol=1e-3, msg=name)
+        assert (exported[name] - expected[name]).abs().mean() < 1e-5, name
     folder = out / "checkpoints" / "rollout_1"
     assert len(list(folder.glob("rank*.json"))) == processes  # each process's optimizer shard and data position
     resumed = train(tmp_path / "resumed", even_vocab_model, *flags, "--load", str(folder), processes=processes)
     assert_same_steps(records[-1:], resumed)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
+def test_two_gpus_train_sync_and_resume_over_nccl(layout, even_vocab_model, tmp_path):
+    """The same runs over NCCL, one GPU per rank: the trainer's log-probs of the engine's samples agree with the
+    engine's (the weights the leader's engine received are the trainer's), and a resume continues."""
+    import math
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (one per rank)")
+    processes, flags = LAYOUTS[layout]
+    records = train(tmp_path / "run", even_vocab_model, *flags, "--save-interval", "2", processes=processes)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for record in records[1:]:
+        assert 0 <= record["rollout/reward_mean"] <= 1
+        assert math.isfinite(record["train/loss"]) and math.isfinite(record["train/grad_norm"])
+        assert record["train/rollout_logprob_abs_diff"] < 1e-2
+    resumed = train(tmp_path / "resumed", even_vocab_model, *flags, "--load",
+                    str(tmp_path / "run" / "checkpoints" / "rollout_1"), processes=processes)
+    assert [r["step"] for r in resumed] == [3]

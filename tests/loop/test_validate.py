@@ -267,3 +267,10 @@ def test_load_at_another_layout_is_refused_naming_both(even_vocab_model, data_fi
         validate(config, world_size=2)
     validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2", load=str(tmp_path)),
              world_size=2)
+
+
+def test_async_rollout_is_refused_under_model_parallelism(even_vocab_model, data_file):
+    with pytest.raises(ConfigError, match=r"--async-rollout one-step with --tensor-model-parallel-size 2 / "
+                                          r"--pipeline-model-parallel-size 1 is not supported yet"):
+        validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", async_rollout="one-step"),
+                 world_size=2)
