@@ -53,9 +53,11 @@ def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict, r
         tmp.mkdir(parents=True)
     dp.barrier()
     state_file.save(tmp / f"rank{dp.process_rank}", {**rank_state, "rng": rng_state()})
-    if dp.model_parallel or dp.is_main:  # the TP gathers and PP broadcasts are collectives
+    if dp.model_parallel:  # every rank takes part in the TP gathers and PP sends; rank 0 writes
         model.save_pretrained(tmp / "model", write=dp.is_main)
     if dp.is_main:
+        if not dp.model_parallel:
+            model.save_pretrained(tmp / "model")
         copy_tokenizer(tokenizer_dir, tmp / "model")
         layout = {"dp": dp.world, "tp": dp.state.tp if dp.state else 1, "pp": dp.state.pp if dp.state else 1}
         state_file.save(tmp / "state", {**state, "rollout_id": rollout_id, "layout": layout})

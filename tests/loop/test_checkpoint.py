@@ -129,5 +129,6 @@ def test_checkpoint_save_and_load_state(tmp_path):
     folder = checkpoint.save(tmp_path, 4, _NoModel(), tmp_path, shared, {"rollout": {"epoch": 2, "order": [3, 1]}})
     assert checkpoint.resolve(tmp_path) == folder and checkpoint.saved_rollout(folder) == 4
     loaded, mine = checkpoint.load_state(folder)
-    assert_same({**shared, "rollout_id": 4}, loaded)
+    assert_same({**shared, "rollout_id": 4, "layout": {"dp": 1, "tp": 1, "pp": 1}}, loaded)
+    assert checkpoint.saved_layout(folder) == {"dp": 1, "tp": 1, "pp": 1}
     assert mine["rollout"] == {"epoch": 2, "order": [3, 1]} and set(mine["rng"]) >= {"python", "numpy", "torch"}
