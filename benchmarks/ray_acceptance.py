@@ -1,0 +1,102 @@
+"""Issue 18's GPU acceptance in one command: what Ray adds to the RL step of the 50M quickstart on one GPU.
+
+    python3 benchmarks/ray_acceptance.py OUTDIR [--engines embedded,embedded-process,sglang] [--num-rollout 30]
+
+For each engine (colocated on the one GPU: the in-process embedded engine, the embedded engine in its own process,
+SGLang when it is installed) it runs ``redline train examples/quickstart_gpu_50m.toml`` twice, without Ray and with
+``--ray-address local`` (the trainer rank a Ray actor on a one-GPU bundle; engine fault tolerance on, as it is by
+default under Ray: it watches the engine process), in alternating order so that neither always runs on a warmer
+machine. It writes OUTDIR/<engine>-<placement>/ (metrics.jsonl, report.md, placement.json under Ray),
+OUTDIR/<engine>-<placement>.log, and OUTDIR/summary.md + summary.json: per run the median ``perf/step_time`` and
+phase times over the steps after the first two (step 1 pays first-call costs), the final eval reward, the whole
+command's wall time (Ray's start-up included), and Ray's overhead on the median step, (ray - no-ray) / no-ray; the
+issue's target is at most 2 %.
+
+``--config`` takes another TOML; the CPU smoke test runs ``examples/quickstart.toml --num-rollout 3``.
+Ray must be installed on the machine (``python3 ../shared/device/stage.py ray`` stages it for the offline GPU box).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = {"embedded": ["--rollout-engine", "embedded", "--no-embedded-engine-process"],
+           "embedded-process": ["--rollout-engine", "embedded", "--embedded-engine-process"],
+           "sglang": ["--rollout-engine", "sglang"]}
+PLACEMENTS = {"no-ray": [], "ray": ["--ray-address", "local"]}
+PHASES = ("perf/step_time", "perf/rollout_time", "perf/logprob_time", "perf/train_time", "perf/update_weights_time",
+          "perf/idle_time")
+SKIPPED_STEPS = 2
+TARGET = 0.02
+RUN_TIMEOUT_S = 1200
+
+
+def run(out: Path, name: str, config: str, flags: list[str]) -> dict:
+    folder = out / name
+    cmd = [sys.executable, "-m", "redline.cli", "train", config, "--output-dir", str(folder), "--overwrite", *flags]
+    with open(out / f"{name}.log", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        began = time.perf_counter()
+        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S).returncode
+    metrics = folder / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steps = [r for r in records if r["step"] > SKIPPED_STEPS and "perf/step_time" in r]
+    evals = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
+    return {"exit_code": code, "wall_s": time.perf_counter() - began, "steps": len([r for r in records if r["step"] > 0]),
+            "eval_reward_first": evals[0] if evals else None, "eval_reward_last": evals[-1] if evals else None,
+            "engine_restarts": sum(r.get("rollout/engine_restarts", 0) for r in records),
+            **{f"median {k}": statistics.median(r[k] for r in steps) if steps else None for k in PHASES}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--config", default="examples/quickstart_gpu_50m.toml")
+    parser.add_argument("--engines", default="embedded,embedded-process,sglang")
+    parser.add_argument("--num-rollout", type=int, default=None, help="RL steps per run (default: the config's)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    extra = ["--num-rollout", str(args.num_rollout)] if args.num_rollout else []
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if "sglang" in engines and subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True).returncode:
+        print("sglang is not installed here: its runs are skipped")
+        engines.remove("sglang")
+    results = {}
+    for i, engine in enumerate(engines):
+        order = list(PLACEMENTS) if i % 2 == 0 else list(reversed(PLACEMENTS))
+        for placement in order:
+            name = f"{engine}-{placement}"
+            print(f"running {name} ...", flush=True)
+            results[name] = run(args.out, name, args.config, [*ENGINES[engine], *PLACEMENTS[placement], *extra])
+            print(f"  {results[name]}", flush=True)
+    rows = ["| engine | no Ray: median step (s) | Ray: median step (s) | Ray overhead | eval reward no Ray / Ray | "
+            "wall s no Ray / Ray | exit codes |", "| --- | ---: | ---: | ---: | --- | --- | --- |"]
+    summary = {"config": args.config, "runs": results, "overhead": {}}
+    for engine in engines:
+        base, ray = results[f"{engine}-no-ray"], results[f"{engine}-ray"]
+        a, b = base["median perf/step_time"], ray["median perf/step_time"]
+        overhead = (b - a) / a if a and b else None
+        summary["overhead"][engine] = overhead
+        verdict = "–" if overhead is None else f"{overhead:+.1%} ({'meets' if overhead <= TARGET else 'misses'} ≤ 2 %)"
+        fmt = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+        rows.append(f"| {engine} | {fmt(a)} | {fmt(b)} | {verdict} | {base['eval_reward_last']} / "
+                    f"{ray['eval_reward_last']} | {base['wall_s']:.0f} / {ray['wall_s']:.0f} | {base['exit_code']} / "
+                    f"{ray['exit_code']} |")
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (args.out / "summary.md").write_text(
+        f"# Ray's overhead on the RL step ({args.config}, colocated, one GPU)\n\nMedians over the steps after "
+        f"step {SKIPPED_STEPS}.\n\n" + "\n".join(rows) + "\n")
+    print((args.out / "summary.md").read_text())
+    return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
