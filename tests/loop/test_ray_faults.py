@@ -43,4 +43,4 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_with_each_step_logged_once
 def test_without_auto_resume_a_killed_trainer_fails_the_run(tmp_path):
     _, console, code = train(tmp_path, "--num-rollout", "2", "--ray-address", "local", "--no-use-fault-tolerance",
                              env={"REDLINE_FAULT": "kill-trainer:0@step:1"}, check=False)
-    assert code == 1 and "trainer rank died (ActorDiedError); --auto-resume is off" in console
+    assert code == 1 and "--auto-resume is off" in console and "trainer rank died (" in console
