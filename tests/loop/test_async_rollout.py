@@ -375,3 +375,35 @@ def test_an_async_steps_phases_add_up_to_its_step_time():
     segments = phase_segments(record)
     assert segments[0] == ("train_wait", 0.5)  # the rollout's place: what the trainer waited, not the overlap
     assert sum(seconds for _, seconds in segments) == pytest.approx(record["perf/step_time"])
+
+
+def test_the_log_prob_gap_is_reported_per_staleness():
+    import torch
+
+    from redline.loop.async_schedule import mismatch_by_staleness
+
+    fresh, stale, mixed = generated([(3, 2)], 0), generated([(2, 2)], 1), generated([(2, 1), (3, 1)], 2)
+    mixed.loss_mask[1] = 0  # a masked token's gap does not count
+    old = [torch.tensor([0.0, 0.0]), torch.tensor([1.0, 3.0]), torch.tensor([2.0, 100.0])]
+    rollout = [torch.zeros(2)] * 3
+    metrics = mismatch_by_staleness([fresh, stale, mixed], 3, old, rollout, overall=9.0)
+    assert metrics == {"train/rollout_logprob_abs_diff/staleness_0": 0.0,
+                       "train/rollout_logprob_abs_diff/staleness_1": pytest.approx((1 + 3 + 2) / 3)}
+    # one staleness in the batch: the loss's own gap stands for it
+    assert mismatch_by_staleness([stale], 3, None, rollout, overall=9.0) == {
+        "train/rollout_logprob_abs_diff/staleness_1": 9.0}
+
+
+@pytest.mark.slow
+def test_a_step_that_fails_while_training_still_shuts_down(tmp_path, monkeypatch):
+    state = built(tmp_path, async_rollout="full", num_rollout="3")
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("injected")
+    monkeypatch.setattr(state.worker, "step", broken)
+    try:
+        with pytest.raises(FloatingPointError, match="injected"):
+            rl_step(state, 0)  # the loop was running in the helper thread when the training failed
+    finally:
+        shutdown(state)  # closes the sync, the engine and the loop: the helper thread gave the loop back
+    assert state.loop.is_closed()
