@@ -379,7 +379,6 @@ def test_an_async_steps_phases_add_up_to_its_step_time():
 
 def test_the_log_prob_gap_is_reported_per_staleness():
     import torch
-
     from redline.loop.async_schedule import mismatch_by_staleness
 
     fresh, stale, mixed = generated([(3, 2)], 0), generated([(2, 2)], 1), generated([(2, 1), (3, 1)], 2)
