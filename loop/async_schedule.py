@@ -69,6 +69,11 @@ def check_async(config, world_size: int = 1) -> None:
     if config.parallel.colocate and config.sync.offload_rollout:
         raise ConfigError(f"--async-rollout {mode} with --offload-rollout: the engine generates while the trainer "
                           f"trains, so it cannot give its memory back meanwhile; drop --offload-rollout")
+    from redline.loop.train_offload import offload_train_enabled
+
+    if offload_train_enabled(config):
+        raise ConfigError(f"--async-rollout {mode} with --offload-train: the trainer trains while the engine "
+                          f"generates, so its state cannot be paused meanwhile; drop --offload-train")
     if world_size > 1:
         raise ConfigError(f"--async-rollout {mode} runs the trainer in one process, not {world_size} torchrun ranks")
     if config.algo.loss_type == "sft":
@@ -91,7 +96,7 @@ def check_async(config, world_size: int = 1) -> None:
             raise ConfigError(f"--max-staleness {r.max_staleness} with --update-weights-interval {interval}: the "
                               f"engines' weights fall up to {interval - 1} versions behind the trainer's, so "
                               f"fresh samples could never be trained; raise --max-staleness to >= {interval - 1}")
-        if r.dynamic_sampling_filter_path is None and r.over_sampling_batch_size not in (None, r.rollout_batch_size):
+        if r.over_sampling_batch_size not in (None, r.rollout_batch_size):
             raise ConfigError("--over-sampling-batch-size has no meaning in --async-rollout full: the stream "
                               "draws one group at a time up to --max-inflight")
 

@@ -51,6 +51,8 @@ def test_on_one_gpu_the_engine_may_be_a_second_process_that_keeps_its_memory(tmp
     check_async(beside)
     with pytest.raises(ConfigError, match="--offload-rollout"):
         check_async(apply_overrides(beside, {"offload_rollout": "true"}))
+    with pytest.raises(ConfigError, match="--offload-train"):
+        check_async(apply_overrides(beside, {"offload_train": "true"}))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -64,6 +66,7 @@ def test_on_one_gpu_the_engine_may_be_a_second_process_that_keeps_its_memory(tmp
     ({"max_staleness": "1"}, "--max-staleness applies to --async-rollout"),
     ({"async_rollout": "full", "update_weights_interval": "0"}, "--update-weights-interval must be >= 1"),
     ({"async_rollout": "full", "tis": "none", "use_tis": "true"}, "--tis none"),
+    ({"async_rollout": "full", "over_sampling_batch_size": "10"}, "--over-sampling-batch-size has no meaning"),
 ])
 def test_bad_async_settings_are_refused_naming_the_flags(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
