@@ -78,16 +78,16 @@ def run_on_ray(config, config_path=None) -> int:
     group = None
     try:
         world = config.parallel.actor_num_nodes * config.parallel.actor_num_gpus_per_node
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         from redline.loop import ray_placement
 
-        group, slots = ray_placement.place(ray, world, use_gpu)
+        bundle = ray_placement.bundle_for(ray.cluster_resources(), world)
+        group, slots = ray_placement.place(ray, world, bundle)
         out = Path(config.checkpoint.output_dir or _fixed_output_dir(config))  # every attempt writes here
         config = _replace(config, "checkpoint", output_dir=str(out))
         placement = _rows(slots)
         _announce(placement)
         try:
-            return _attempts(ray, config, config_path, group, slots, use_gpu, placement)
+            return _attempts(ray, config, config_path, group, slots, bundle, placement)
         finally:
             if out.is_dir():  # written last: an --overwrite start empties the folder first
                 (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=1) + "\n")
@@ -109,12 +109,12 @@ def _fixed_output_dir(config) -> str:
     return str(output_dir_for(config))
 
 
-def _attempts(ray, config, config_path, group, slots, use_gpu, placement: list[dict]) -> int:
+def _attempts(ray, config, config_path, group, slots, bundle, placement: list[dict]) -> int:
     from ray.exceptions import RayActorError
 
     restarts = config.checkpoint.max_restarts if config.checkpoint.auto_resume else 0
     for attempt in range(restarts + 1):
-        actors = _start_ranks(ray, group, slots, use_gpu, attempt)
+        actors = _start_ranks(ray, group, slots, bundle, attempt)
         try:
             for row, seen in zip(placement, ray.get([a.where.remote() for a in actors])):
                 row.setdefault("attempts", []).append(seen)
@@ -132,15 +132,14 @@ def _attempts(ray, config, config_path, group, slots, use_gpu, placement: list[d
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _start_ranks(ray, group, slots, use_gpu: bool, attempt: int) -> list:
+def _start_ranks(ray, group, slots, bundle: dict, attempt: int) -> list:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from redline.loop import ray_placement
 
     actor = ray.remote(max_restarts=0, max_concurrency=1)(TrainerRank)
     inherited = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
-    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
-    return [actor.options(**resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
+    return [actor.options(**ray_placement.actor_resources(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=slot.bundle_index)).remote(
         {**inherited, **ray_placement.rank_env(slots, rank), ATTEMPT_ENV: str(attempt)})
         for rank, slot in enumerate(slots)]

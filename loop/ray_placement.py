@@ -1,7 +1,7 @@
 """Where the trainer ranks of a Ray run go: one placement group, one bundle per GPU, and the logical → physical map.
 
-The group holds ``actor_num_nodes × actor_num_gpus_per_node`` bundles, ``{"GPU": 1, "CPU": 1}`` each (``{"CPU": 1}``
-on a cluster without GPUs), strategy ``PACK``. Ray decides which node and GPU a bundle lands on; a probe task on
+The group holds ``actor_num_nodes × actor_num_gpus_per_node`` bundles, ``{"GPU": 1, "CPU": c}`` each (``{"CPU": c}``
+on a cluster without GPUs; c an even share of the cluster's CPUs), strategy ``PACK``. Ray decides which node and GPU a bundle lands on; a probe task on
 every bundle reports it (node IP, node id, GPU id), and the bundles are sorted by node, then GPU id, as slime does,
 so rank r is the r-th slot of that order: neighbouring ranks share a node, and rank 0's node hosts the rendezvous.
 """
@@ -22,25 +22,33 @@ class Slot:
     free_port: int  # a port that was free on the node when probed (rank 0's serves the rendezvous)
 
 
-def bundles(count: int, use_gpu: bool) -> list[dict[str, float]]:
-    return [{"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1} for _ in range(count)]
+def bundle_for(cluster: dict[str, float], count: int) -> dict[str, float]:
+    """One rank's bundle in a cluster of ``cluster`` resources: a GPU when it has GPUs, and an even share of its
+    CPUs (at least one). Ray sets a rank's OMP_NUM_THREADS to its CPUs, so the share is also its torch threads: a
+    single rank on a CPU machine computes with every core, as it does without Ray."""
+    cpus = max(1, int(cluster.get("CPU", 1)) // count)
+    return {"GPU": 1, "CPU": cpus} if cluster.get("GPU", 0) > 0 else {"CPU": cpus}
 
 
-def place(ray, count: int, use_gpu: bool):
+def actor_resources(bundle: dict[str, float]) -> dict[str, float]:
+    """The ``.options`` resources of an actor (or task) that takes a whole bundle."""
+    return {"num_gpus": bundle.get("GPU", 0), "num_cpus": bundle["CPU"]}
+
+
+def place(ray, count: int, bundle: dict[str, float]):
     """``(placement group, slots)``: the group of ``count`` bundles once Ray has reserved it, and its slots in
     logical order (sorted by node IP, node id, GPU id)."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    group = placement_group(bundles(count, use_gpu), strategy="PACK")
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
     if not ready:
         ray.util.remove_placement_group(group)
-        raise RuntimeError(f"Ray could not reserve {count} bundle(s) of {bundles(1, use_gpu)[0]} within "
-                           f"{READY_TIMEOUT_S:.0f} s; cluster resources: {ray.cluster_resources()}")
+        raise RuntimeError(f"Ray could not reserve {count} bundle(s) of {bundle} within {READY_TIMEOUT_S:.0f} s; "
+                           f"cluster resources: {ray.cluster_resources()}")
     probe = ray.remote(_where_am_i)
-    resources = {"num_gpus": 1, "num_cpus": 0} if use_gpu else {"num_cpus": 1}
-    found = ray.get([probe.options(**resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
+    found = ray.get([probe.options(**actor_resources(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=i)).remote(i) for i in range(count)])
     return group, sorted((Slot(*f) for f in found), key=lambda s: (s.node_ip, s.node_id, s.gpu or 0))
 

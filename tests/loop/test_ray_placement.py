@@ -55,3 +55,14 @@ def test_ray_only_flags_need_a_ray_address(flags, flag):
     with pytest.raises(ConfigError, match=f"{flag} needs --ray-address"):
         check_ray_flags(apply_overrides(RunConfig(), flags))
     check_ray_flags(apply_overrides(RunConfig(), {**flags, "ray_address": "local"}))
+
+
+def test_a_rank_bundle_takes_a_gpu_and_an_even_share_of_the_cpus():
+    from redline.loop.ray_placement import actor_resources, bundle_for
+
+    assert bundle_for({"CPU": 2.0}, 1) == {"CPU": 2}  # one rank on a CPU machine computes with every core
+    assert bundle_for({"CPU": 2.0}, 2) == {"CPU": 1}
+    assert bundle_for({"CPU": 1.0}, 4) == {"CPU": 1}
+    assert bundle_for({"CPU": 128.0, "GPU": 8.0}, 8) == {"GPU": 1, "CPU": 16}
+    assert actor_resources({"GPU": 1, "CPU": 16}) == {"num_gpus": 1, "num_cpus": 16}
+    assert actor_resources({"CPU": 2}) == {"num_gpus": 0, "num_cpus": 2}
