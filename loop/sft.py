@@ -30,6 +30,7 @@ def sft_step(state, tokenizer) -> dict[str, float]:
 def sft_warmup(state, tokenizer) -> dict[str, float]:
     """Run ``--sft-steps`` steps with their own optimiser, sync the engine, evaluate; returns ``sft/*``, ``eval/*``."""
     cfg = state.config
+    ensure_resident(state)  # --offload-train: paused since the engine started
     state.worker.begin_sft(cfg.train.sft_lr or cfg.train.lr, cfg.train.sft_steps)
     results = [sft_step(state, tokenizer) for _ in range(cfg.train.sft_steps)]
     state.worker.end_sft()
@@ -42,7 +43,7 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
 
 def sft_rollout(state, tokenizer, rollout_id: int) -> dict[str, float]:
     """``--loss-type sft``: ``--num-steps-per-rollout`` SFT steps, then sync the engine (for eval)."""
-    ensure_resident(state)  # --offload-train paused the trainer at the last push
+    ensure_resident(state)  # --offload-train: paused at the last push (or since the engine started)
     results = [sft_step(state, tokenizer) for _ in range(state.config.train.num_steps_per_rollout)]
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
     return {"train/sft_loss": results[-1]["sft_loss"], "train/grad_norm": results[-1]["grad_norm"],

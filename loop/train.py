@@ -21,7 +21,7 @@ from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.health import RunHealth
 from redline.loop.progress import RunProgress, summary
 from redline.loop.step import RunState, rl_step
-from redline.loop.train_offload import trainer_resident
+from redline.loop.train_offload import ensure_resident, trainer_resident
 from redline.loop.training_memory import memory_table
 from redline.loop.validate import check_distributed_timeout, loss_config, validate
 from redline.loop.warmup import CompileClock, warm_up, warmup_enabled
@@ -108,6 +108,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         engine_name += (f" (on TP rank 0 of the first pipeline stage of each model-parallel group, unsharded; "
                         f"TP={dp.state.tp} × PP={dp.state.pp} trainer)")
     console.print(f"rollout engine: {engine_name}")
+    if train_cfg.offload_train:  # the engine starts beside a paused trainer, as it generates beside one
+        train_offload(device).pause()
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if rollout.skipped_records:
         console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
@@ -193,6 +195,7 @@ def restore(state: RunState, folder: Path) -> int:
     """Load a checkpoint's weights and state into the run; returns the next rollout id."""
     from redline.trainer.models.load import load_hf_weights
 
+    ensure_resident(state)  # --offload-train: paused since the engine started
     saved, mine = checkpoint.load_state(folder, state.dp)
     if not state.dp.model_parallel:  # a sharded model takes its weights from its fp32 master shards below
         load_hf_weights(state.worker.model, folder / "model")

@@ -16,7 +16,8 @@ The plan (``OffloadPlan``, made at each pause from the buffers alive then) says 
 When. The weight push reads the compute weights, so the pause has two stages (``redline.loop.weight_sync``):
 ``pause_state`` (everything but the compute weights, then ``torch.cuda.empty_cache`` for activations and
 caches) before the engine takes its weights back, ``pause_weights`` after the push; ``resume`` once the engine
-has released its memory after the rollout, before the log-prob phase.
+has released its memory after the rollout, before the log-prob phase. The engine also starts beside a paused
+trainer (``pause``, both stages, before it is built): the state is paused whenever the engine holds memory.
 """
 
 from __future__ import annotations
@@ -160,6 +161,11 @@ class TrainOffload:
         self._pause(self.plan.stage(WEIGHTS))
         self.stage = WEIGHTS
 
+    def pause(self) -> None:
+        """Both stages at once (nothing needs the compute weights meanwhile: before the engine starts)."""
+        self.pause_state()
+        self.pause_weights()
+
     def _pause(self, groups: list[PlanGroup]) -> None:
         tensors = [t for g in groups for t in g.tensors]
         self.memory.pause_tensors(tensors, [g.action == "host" for g in groups for _ in g.tensors])
@@ -211,10 +217,12 @@ def trainer_of(weight_sync) -> TrainOffload | None:
 
 
 def ensure_resident(state) -> None:
-    """Resume the trainer's state when ``--offload-train`` left it paused (before training outside a step)."""
+    """Before the trainer works outside a step (SFT, a restore, the warm-up): when ``--offload-train`` left its
+    state paused, the engine releases its memory (``--offload-rollout``) and the state comes back, as after a
+    rollout; the next push gives the engine its memory and weights back."""
     offload = trainer_of(state.weight_sync)
     if offload is not None and offload.paused:
-        state.loop.run_until_complete(state.weight_sync.resume_train())
+        state.loop.run_until_complete(state.weight_sync.release())
 
 
 @contextmanager

@@ -302,3 +302,25 @@ def test_on_a_gpu_the_paused_trainer_frees_its_state_and_resumes_bit_exact(cpu_o
     expected = state_bits(plain[1], plain[2])
     for name, value in state_bits(master, paused[2]).items():
         assert torch.equal(value.cpu(), expected[name].cpu()), name
+
+
+def test_the_engine_starts_beside_a_paused_trainer_and_an_sft_warm_up_resumes_it(tmp_path, monkeypatch, memory):
+    from redline.configfile import apply_overrides
+    from redline.loop import train_offload
+    from redline.loop.builtin import materialize
+    from redline.loop.sft import sft_warmup
+    from redline.loop.train import build
+    from rich.console import Console
+
+    offload = TrainOffload(memory)
+    monkeypatch.setattr(train_offload, "train_offload", lambda device: offload)
+    config = offload_config(tmp_path, sft_steps="2", offload_train="true", offload_rollout="true", dtype="bfloat16")
+    config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
+    state, tokenizer = build(config, Console(quiet=True))
+    try:
+        assert offload.paused and memory.stats()["mapped_bytes"] == 0
+        warm = sft_warmup(state, tokenizer)
+        assert warm["sft/steps"] == 2
+        assert offload.paused  # the warm-up's push paused it again for the engine
+    finally:
+        state.loop.run_until_complete(state.engine.shutdown())
