@@ -154,8 +154,8 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         weights = dp.loss_weights([aggregation_weight(b, state.loss_cfg.agg) for b in batches])
         train_metrics.append(state.worker.step(
             batches, weights,
-            lambda b, hidden=None: state.worker.policy_loss(b, state.loss_cfg, reuse_old_logp=reuse_old,
-                                                            hidden=hidden)))
+            # forward: hidden= from the pipeline schedule under PP
+            lambda b, **forward: state.worker.policy_loss(b, state.loss_cfg, reuse_old_logp=reuse_old, **forward)))
         if state.critic:
             tokens = dp.loss_weights([aggregation_weight(b, "token-mean") for b in batches])
             train_metrics[-1].update(state.critic.step(batches, tokens))
