@@ -137,3 +137,15 @@ def test_two_gpus_train_sync_and_resume_over_nccl(layout, even_vocab_model, tmp_
     resumed = train(tmp_path / "resumed", even_vocab_model, *flags, "--load",
                     str(tmp_path / "run" / "checkpoints" / "rollout_1"), processes=processes)
     assert [r["step"] for r in resumed] == [3]
+
+
+@pytest.mark.slow  # about 50 s on 2 CPU cores (a single-process run and a torchrun one)
+def test_ppo_critic_under_tp_takes_the_single_process_steps(even_vocab_model, tmp_path):
+    """The critic is the same TP-sharded model with a replicated value head: values, GAE and its steps match."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo)")
+    args = ["--num-rollout", "2", "--eval-interval", "0", "--advantage-estimator", "ppo"]
+    single = train(tmp_path / "one", even_vocab_model, *args)
+    assert single[-1]["train/value_loss"] > 0
+    parallel = train(tmp_path / "tp2", even_vocab_model, *args, *LAYOUTS["tp2-sp"][1], processes=2)
+    assert_same_steps(single, parallel)
