@@ -55,7 +55,8 @@ def layer_backend_for(config, name: str):
 
 def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataParallel = SINGLE_PROCESS):
     """``(RunState, tokenizer)`` for a validated config; engine server logs (SGLang) go to ``log_dir``. Under
-    data parallelism each rank builds its own trainer (on ``dp.device``) and colocated engine."""
+    data parallelism each rank builds its own trainer (on ``dp.device``) and colocated engine; under TP/PP each
+    rank its shard of the model, and each model-parallel group one engine, on its leader."""
     from transformers import AutoTokenizer
 
     from redline.loop.fault_tolerance import engine_sync
@@ -211,8 +212,9 @@ def restore(state: RunState, folder: Path) -> int:
 
 
 def run(config, config_path=None) -> int:
-    """One process, or every rank of a ``torchrun`` launch (data parallelism): rank 0 picks the output folder,
-    builds the built-in data/model and writes every file; each rank trains and rolls out its shard."""
+    """One process, or every rank of a ``torchrun`` launch (DP × TP × PP): rank 0 picks the output folder,
+    builds the built-in data/model and writes every file; each data-parallel rank trains and rolls out its
+    shard."""
     check_distributed_timeout(config)
     p = config.parallel
     dp = init_data_parallel(p.distributed_timeout_minutes, p.tensor_model_parallel_size,

@@ -362,8 +362,8 @@ def check_distributed_timeout(config) -> None:
 
 
 def check_placement(config, world_size: int = 1) -> None:
-    """The trainer without TP/PP: one process, or ``world_size`` data-parallel ranks under ``torchrun``, each
-    with its colocated engine; or (one process) with ``--no-colocate`` engines on other GPUs — embedded engine
+    """One process; or ``world_size`` processes under ``torchrun``: DP × TP × PP (``check_world_size``,
+    ``check_model_parallel``), each data-parallel rank with its colocated engine; or (one process) with ``--no-colocate`` engines on other GPUs — embedded engine
     processes (also on the CPU of a CPU machine) or SGLang servers, launched or attached — weights pushed by
     broadcast."""
     import torch
@@ -426,7 +426,7 @@ def check_offload_train(config) -> None:
 
 def validate(config, world_size: int = 1) -> None:
     """Every check that can fail before a model loads; raises ConfigError naming the flag or file.
-    ``world_size``: the data-parallel ranks (``torchrun`` processes) of the run."""
+    ``world_size``: the ``torchrun`` processes of the run (DP × TP × PP)."""
     check_ranges(config)
     check_batch_arithmetic(config)
     check_output_dir(config.checkpoint.output_dir)
