@@ -29,7 +29,7 @@ from redline.trainer.models.export import full_shape, hf_entries
 from redline.trainer.parallel.comm import _all_gather_single
 
 # how many times a push reads the export, by WeightSync mode (a check after the update reads it again)
-EXPORT_PASSES = {"direct": 2, "sglang": 2, "zero-copy": 0}
+EXPORT_PASSES = {"direct": 2, "sglang": 2}
 
 
 def stage_specs(model) -> list[list[TensorSpec]]:
