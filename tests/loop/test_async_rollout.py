@@ -409,3 +409,25 @@ def test_a_step_that_fails_while_training_still_shuts_down(tmp_path, monkeypatch
     finally:
         shutdown(state)  # closes the sync, the engine and the loop: the helper thread gave the loop back
     assert state.loop.is_closed()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["one-step", "full"])
+def test_a_checkpoint_keeps_the_untrained_groups_and_the_resumed_run_trains_complete_batches(tmp_path, mode):
+    from redline.loop import checkpoint
+    from redline.loop.train import run
+
+    from .test_train import records
+
+    flags = dict(async_rollout=mode, max_staleness="1", eval_interval="2", save_interval="2")
+    assert run(config_with(tmp_path / "first", num_rollout="4", **flags)) == 0
+    saved = tmp_path / "first" / "checkpoints" / "rollout_1"  # after step 2 of 4: the next batch is generated
+    _, mine = checkpoint.load_state(saved)
+    untrained = mine["rollout"]["data_source"]["buffer"]
+    assert len(untrained) == 5 and all(len(group) == 4 for group in untrained)  # the next batch, whole
+    assert run(config_with(tmp_path / "second", num_rollout="4", load=str(saved), **flags)) == 0
+    rows = [r for r in records(tmp_path / "second") if "rollout/samples" in r]
+    assert [r["step"] for r in rows] == [3, 4]
+    assert all(r["rollout/samples"] == 20 and r["rollout/staleness_max"] <= 1 for r in rows)
+    if mode == "one-step":  # step 3 trained rollout 2, generated before the checkpoint with version 1
+        assert rows[0]["rollout/staleness_max"] == 1
