@@ -419,7 +419,7 @@ def test_a_checkpoint_keeps_the_untrained_groups_and_the_resumed_run_trains_comp
 
     from .test_train import records
 
-    flags = dict(async_rollout=mode, max_staleness="1", eval_interval="2", save_interval="2")
+    flags = {"async_rollout": mode, "max_staleness": "1", "eval_interval": "2", "save_interval": "2"}
     assert run(config_with(tmp_path / "first", num_rollout="4", **flags)) == 0
     saved = tmp_path / "first" / "checkpoints" / "rollout_1"  # after step 2 of 4: the next batch is generated
     _, mine = checkpoint.load_state(saved)
