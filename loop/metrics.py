@@ -32,6 +32,8 @@ PLOTS = {
     "gpu_memory.png": ("perf/gpu_mem_gb",),
     "gpu_power.png": ("perf/gpu_power_w",),
     "gpu_sm_clock.png": ("perf/gpu_sm_clock_mhz",),
+    # colocated on a GPU (redline.loop.weight_sync): what --offload-train leaves on the GPU, what the KV cache gets
+    "colocated_memory.png": ("perf/trainer_paused_bytes", "perf/kv_headroom_bytes"),
 }
 # title and y-axis label (with its unit) of each plot; the x axis is always the rollout step
 PLOT_AXES = {
@@ -42,6 +44,8 @@ PLOT_AXES = {
     "gpu_memory.png": ("GPU memory used", "GB"),
     "gpu_power.png": ("GPU power draw", "W"),
     "gpu_sm_clock.png": ("GPU SM clock", "MHz"),
+    "colocated_memory.png": ("GPU memory of the paused trainer, and free as the engine resumes its KV cache",
+                             "bytes"),
 }
 
 

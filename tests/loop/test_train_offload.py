@@ -324,3 +324,15 @@ def test_the_engine_starts_beside_a_paused_trainer_and_an_sft_warm_up_resumes_it
         assert offload.paused  # the warm-up's push paused it again for the engine
     finally:
         state.loop.run_until_complete(state.engine.shutdown())
+
+
+def test_the_report_plots_the_paused_trainers_memory_and_the_kv_headroom(tmp_path):
+    from redline.loop.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path)
+    for step, paused in ((1, 3 * 2**30), (2, 2 * 2**30)):
+        log.log(step, {"perf/trainer_paused_bytes": paused, "perf/kv_headroom_bytes": 60 * 2**30})
+    report = log.report("run", []).read_text()
+    log.close()
+    assert (tmp_path / "colocated_memory.png").is_file() and "colocated_memory.png" in report
+    assert "| perf/trainer_paused_bytes | 3.221e+09 | 2.147e+09 |" in report
