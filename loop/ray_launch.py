@@ -77,17 +77,21 @@ def run_on_ray(config, config_path=None) -> int:
                  **({"num_cpus": _local_cpus(config)} if address == "local" else {}))
     group = None
     try:
-        world = config.parallel.actor_num_nodes * config.parallel.actor_num_gpus_per_node
         from redline.loop import ray_placement
 
-        bundle = ray_placement.bundle_for(ray.cluster_resources(), world)
-        group, slots = ray_placement.place(ray, world, bundle)
+        world, size = group_size(config)
+        bundle = ray_placement.bundle_for(ray.cluster_resources(), size)
+        group, slots = ray_placement.place(ray, size, bundle)
+        if size > world and len({s.node_id for s in slots}) > 1:
+            raise ConfigError(f"--no-colocate on Ray: the trainer starts its {size - world} engine process(es) "
+                              f"itself, so their bundles must share its node; Ray spread them over "
+                              f"{len({s.node_id for s in slots})} nodes")
         out = Path(config.checkpoint.output_dir or _fixed_output_dir(config))  # every attempt writes here
         config = _replace(config, "checkpoint", output_dir=str(out))
-        placement = _rows(slots)
+        placement = _rows(slots, world)
         _announce(placement)
         try:
-            return _attempts(ray, config, config_path, group, slots, bundle, placement)
+            return _attempts(ray, config, config_path, group, slots, world, bundle, placement)
         finally:
             if out.is_dir():  # written last: an --overwrite start empties the folder first
                 (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=1) + "\n")
@@ -98,9 +102,16 @@ def run_on_ray(config, config_path=None) -> int:
             ray.shutdown()
 
 
+def group_size(config) -> tuple[int, int]:
+    """``(trainer ranks, bundles)``: one bundle per rank, and with ``--no-colocate`` one per engine GPU besides."""
+    p = config.parallel
+    world = p.actor_num_nodes * p.actor_num_gpus_per_node
+    return world, world + (0 if p.colocate else p.rollout_num_gpus)
+
+
 def _local_cpus(config) -> int:
     """``local`` on a CPU machine: at least one CPU per trainer rank, so the placement group fits."""
-    return max(os.cpu_count() or 1, config.parallel.actor_num_nodes * config.parallel.actor_num_gpus_per_node)
+    return max(os.cpu_count() or 1, group_size(config)[1])
 
 
 def _fixed_output_dir(config) -> str:
@@ -109,12 +120,12 @@ def _fixed_output_dir(config) -> str:
     return str(output_dir_for(config))
 
 
-def _attempts(ray, config, config_path, group, slots, bundle, placement: list[dict]) -> int:
+def _attempts(ray, config, config_path, group, slots, world, bundle, placement: list[dict]) -> int:
     from ray.exceptions import RayActorError
 
     restarts = config.checkpoint.max_restarts if config.checkpoint.auto_resume else 0
     for attempt in range(restarts + 1):
-        actors = _start_ranks(ray, group, slots, bundle, attempt)
+        actors = _start_ranks(ray, group, slots, world, bundle, attempt)
         try:
             for row, seen in zip(placement, ray.get([a.where.remote() for a in actors])):
                 row.setdefault("attempts", []).append(seen)
@@ -132,7 +143,7 @@ def _attempts(ray, config, config_path, group, slots, bundle, placement: list[di
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _start_ranks(ray, group, slots, bundle: dict, attempt: int) -> list:
+def _start_ranks(ray, group, slots, world: int, bundle: dict, attempt: int) -> list:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from redline.loop import ray_placement
@@ -141,8 +152,8 @@ def _start_ranks(ray, group, slots, bundle: dict, attempt: int) -> list:
     inherited = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
     return [actor.options(**ray_placement.actor_resources(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=slot.bundle_index)).remote(
-        {**inherited, **ray_placement.rank_env(slots, rank), ATTEMPT_ENV: str(attempt)})
-        for rank, slot in enumerate(slots)]
+        {**inherited, **ray_placement.rank_env(slots, rank, world), ATTEMPT_ENV: str(attempt)})
+        for rank, slot in enumerate(slots[:world])]
 
 
 def _wait(ray, pending: list) -> int:
@@ -172,15 +183,16 @@ def _replace(config, section: str, **values):
     return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
 
 
-def _rows(slots) -> list[dict]:
-    """The rank → (node, GPU, bundle) map, as ``placement.json`` in the run folder keeps it (with, per attempt, the
-    node id and process id each rank's actor reported)."""
-    return [{"rank": r, "node_ip": s.node_ip, "node_id": s.node_id, "gpu": s.gpu, "bundle": s.bundle_index}
-            for r, s in enumerate(slots)]
+def _rows(slots, world: int) -> list[dict]:
+    """The slot → (node, GPU, bundle) map, as ``placement.json`` in the run folder keeps it: the trainer ranks, then
+    (``--no-colocate``) the engines' bundles; per attempt, the node id and process id each rank's actor reported."""
+    return [{"rank" if i < world else "engine": i if i < world else i - world, "node_ip": s.node_ip,
+             "node_id": s.node_id, "gpu": s.gpu, "bundle": s.bundle_index} for i, s in enumerate(slots)]
 
 
 def _announce(placement: list[dict]) -> None:
     for row in placement:
         where = f"GPU {row['gpu']}" if row["gpu"] is not None else "CPU bundle"
-        print(f"ray: rank {row['rank']} on node {row['node_ip']} ({row['node_id'][:8]}) {where}, bundle "
+        who = f"rank {row['rank']}" if "rank" in row else f"engine {row['engine']}"
+        print(f"ray: {who} on node {row['node_ip']} ({row['node_id'][:8]}) {where}, bundle "
               f"{row['bundle']}", flush=True)

@@ -1,6 +1,7 @@
 """Where the trainer ranks of a Ray run go: one placement group, one bundle per GPU, and the logical → physical map.
 
-The group holds ``actor_num_nodes × actor_num_gpus_per_node`` bundles, ``{"GPU": 1, "CPU": c}`` each (``{"CPU": c}``
+The group holds ``actor_num_nodes × actor_num_gpus_per_node`` bundles (and with ``--no-colocate`` one more per
+engine GPU, ``--rollout-num-gpus``), ``{"GPU": 1, "CPU": c}`` each (``{"CPU": c}``
 on a cluster without GPUs; c an even share of the cluster's CPUs), strategy ``PACK``. Ray decides which node and GPU a bundle lands on; a probe task on
 every bundle reports it (node IP, node id, GPU id), and the bundles are sorted by node, then GPU id, as slime does,
 so rank r is the r-th slot of that order: neighbouring ranks share a node, and rank 0's node hosts the rendezvous.
@@ -64,14 +65,19 @@ def _where_am_i(bundle_index: int) -> tuple:
             int(gpus[0]) if gpus else None, free_port())
 
 
-def rank_env(slots: list[Slot], rank: int) -> dict[str, str]:
-    """The environment ``torchrun`` gives rank ``rank`` (``redline.loop.data_parallel.init_data_parallel`` reads it):
-    RANK, WORLD_SIZE, LOCAL_RANK (the GPU id on its node, every GPU of the node visible to it; on CPU bundles its
-    index among its node's ranks), MASTER_ADDR/PORT on rank 0's node."""
+def rank_env(slots: list[Slot], rank: int, world: int) -> dict[str, str]:
+    """The environment ``torchrun`` gives trainer rank ``rank`` of ``world`` (the first ``world`` slots;
+    ``redline.loop.data_parallel.init_data_parallel`` reads it): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on
+    rank 0's node. On GPUs the rank sees the group's GPUs on its node, in GPU-id order (CUDA_VISIBLE_DEVICES, Ray
+    told not to narrow it), and LOCAL_RANK is its own among them, as under ``torchrun``; with ``--no-colocate``
+    the engine bundles' GPUs follow the trainer's, so they are cuda:1 ... cuda:N to it. On CPU bundles LOCAL_RANK
+    is its index among its node's ranks."""
     slot = slots[rank]
-    local = slot.gpu if slot.gpu is not None else [s.node_id for s in slots[:rank]].count(slot.node_id)
-    return {"RANK": str(rank), "WORLD_SIZE": str(len(slots)), "LOCAL_RANK": str(local),
-            "LOCAL_WORLD_SIZE": str(sum(s.node_id == slot.node_id for s in slots)),
-            "MASTER_ADDR": slots[0].node_ip, "MASTER_PORT": str(slots[0].free_port),
-            # the rank picks its GPU by LOCAL_RANK, as under torchrun, so Ray must not narrow what it sees
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(sum(s.node_id == slot.node_id for s in slots[:world])),
+           "MASTER_ADDR": slots[0].node_ip, "MASTER_PORT": str(slots[0].free_port)}
+    if slot.gpu is None:
+        return {**env, "LOCAL_RANK": str([s.node_id for s in slots[:rank]].count(slot.node_id))}
+    visible = sorted(s.gpu for s in slots if s.node_id == slot.node_id)
+    return {**env, "LOCAL_RANK": str(visible.index(slot.gpu)), "CUDA_VISIBLE_DEVICES": ",".join(map(str, visible)),
             "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}

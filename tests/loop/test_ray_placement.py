@@ -13,17 +13,28 @@ from redline.loop.ray_placement import Slot, rank_env
 def test_each_rank_gets_torchruns_environment_on_its_node():
     slots = [Slot(3, "10.0.0.1", "a", 0, 29500), Slot(0, "10.0.0.1", "a", 1, 29501),
              Slot(1, "10.0.0.2", "b", 0, 29502), Slot(2, "10.0.0.2", "b", 1, 29503)]
-    envs = [rank_env(slots, r) for r in range(4)]
+    envs = [rank_env(slots, r, 4) for r in range(4)]
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"}
-    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]  # the GPU id on the node
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]  # its GPU among the node's
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0,1"}
     assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("10.0.0.1", "29500")}  # rank 0's node
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
 
 
+def test_a_rank_sees_only_the_groups_gpus_its_own_first_and_then_its_engines():
+    lone = rank_env([Slot(0, "10.0.0.1", "a", 5, 1)], 0, 1)  # one rank on GPU 5: cuda:0 is GPU 5
+    assert (lone["LOCAL_RANK"], lone["CUDA_VISIBLE_DEVICES"]) == ("0", "5")
+    # --no-colocate: the trainer's bundle and two engine bundles on one node; the engines are cuda:1 and cuda:2
+    trainer = rank_env([Slot(0, "10.0.0.1", "a", 2, 1), Slot(1, "10.0.0.1", "a", 3, 2),
+                        Slot(2, "10.0.0.1", "a", 6, 3)], 0, 1)
+    assert (trainer["LOCAL_RANK"], trainer["CUDA_VISIBLE_DEVICES"], trainer["WORLD_SIZE"]) == ("0", "2,3,6", "1")
+
+
 def test_cpu_bundles_number_their_ranks_within_each_node():
     slots = [Slot(0, "10.0.0.1", "a", None, 1), Slot(1, "10.0.0.1", "a", None, 2), Slot(2, "10.0.0.1", "b", None, 3)]
-    assert [rank_env(slots, r)["LOCAL_RANK"] for r in range(3)] == ["0", "1", "0"]
+    assert [rank_env(slots, r, 3)["LOCAL_RANK"] for r in range(3)] == ["0", "1", "0"]
+    assert "CUDA_VISIBLE_DEVICES" not in rank_env(slots, 0, 3)
 
 
 def test_fault_plan_is_empty_unless_set(monkeypatch):
