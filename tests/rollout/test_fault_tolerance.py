@@ -126,3 +126,31 @@ def test_a_failed_restart_fails_the_waiting_calls():
 
     with pytest.raises(RuntimeError, match="no GPU memory"):
         asyncio.run(scenario())
+
+
+@pytest.mark.slow  # starts a spawned Python process (a few seconds)
+def test_a_killed_engine_process_fails_its_waiting_calls_and_reports_unhealthy(model_dir, tokenizer):
+    import os
+    import signal
+
+    from redline.rollout.embedded.process import EmbeddedEngineProcess, EngineProcessDied
+    from redline.rollout.types import GenerateRequest, SamplingParams
+
+    request = GenerateRequest(tokenizer.encode("What is 2 + 3?"), SamplingParams(temperature=1.0, max_new_tokens=48))
+
+    async def scenario():
+        engine = EmbeddedEngineProcess(model_dir, max_batch_size=2, max_seq_len=64)
+        await engine.generate([request])  # serving
+        os.kill(engine.pid, signal.SIGKILL)
+        await asyncio.to_thread(engine._process.join)
+        healthy = await engine.health()
+        waiting = asyncio.ensure_future(engine.generate([request]))  # sent to a dead process: no answer comes
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        engine.kill()
+        with pytest.raises(EngineProcessDied):
+            await waiting
+        await engine.shutdown()  # a no-op after kill
+        return healthy
+
+    assert asyncio.run(scenario()) is False
