@@ -45,7 +45,8 @@ def run(out: Path, name: str, config: str, flags: list[str]) -> dict:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         began = time.perf_counter()
-        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S).returncode
+        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+                              check=False).returncode
     metrics = folder / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in records if r["step"] > SKIPPED_STEPS and "perf/step_time" in r]
@@ -66,7 +67,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     extra = ["--num-rollout", str(args.num_rollout)] if args.num_rollout else []
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if "sglang" in engines and subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True).returncode:
+    if "sglang" in engines and subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True,
+                                          check=False).returncode:
         print("sglang is not installed here: its runs are skipped")
         engines.remove("sglang")
     results = {}
@@ -77,8 +79,8 @@ def main() -> int:
             print(f"running {name} ...", flush=True)
             results[name] = run(args.out, name, args.config, [*ENGINES[engine], *PLACEMENTS[placement], *extra])
             print(f"  {results[name]}", flush=True)
-    rows = ["| engine | no Ray: median step (s) | Ray: median step (s) | Ray overhead | eval reward no Ray / Ray | "
-            "wall s no Ray / Ray | exit codes |", "| --- | ---: | ---: | ---: | --- | --- | --- |"]
+    rows = [("| engine | no Ray: median step (s) | Ray: median step (s) | Ray overhead | eval reward no Ray / Ray | "
+             "wall s no Ray / Ray | exit codes |"), "| --- | ---: | ---: | ---: | --- | --- | --- |"]
     summary = {"config": args.config, "runs": results, "overhead": {}}
     for engine in engines:
         base, ray = results[f"{engine}-no-ray"], results[f"{engine}-ray"]
@@ -86,7 +88,7 @@ def main() -> int:
         overhead = (b - a) / a if a and b else None
         summary["overhead"][engine] = overhead
         verdict = "–" if overhead is None else f"{overhead:+.1%} ({'meets' if overhead <= TARGET else 'misses'} ≤ 2 %)"
-        fmt = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+        fmt = lambda v: "–" if v is None else f"{v:.4f}"
         rows.append(f"| {engine} | {fmt(a)} | {fmt(b)} | {verdict} | {base['eval_reward_last']} / "
                     f"{ray['eval_reward_last']} | {base['wall_s']:.0f} / {ray['wall_s']:.0f} | {base['exit_code']} / "
                     f"{ray['exit_code']} |")

@@ -89,7 +89,7 @@ def arm_injected_fault(engine, rollout_id: int) -> None:
     if index is None:
         return
     if not isinstance(engine, FaultTolerantEngine):
-        raise ValueError("REDLINE_FAULT kill-engine needs fault tolerance over engine processes "
+        raise ValueError("REDLINE_FAULT kill-engine needs fault tolerance over engine processes "  # noqa: TRY004
                          "(--use-fault-tolerance --embedded-engine-process)")
     engine.kill_after_first_result(index)
 

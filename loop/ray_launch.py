@@ -145,7 +145,6 @@ def _attempts(ray, config, config_path, group, slots, world, bundle, placement: 
 
 def _start_ranks(ray, group, slots, world: int, bundle: dict, attempt: int) -> list:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     from redline.loop import ray_placement
 
     actor = ray.remote(max_restarts=0, max_concurrency=1)(TrainerRank)

@@ -1,10 +1,11 @@
 """Where the trainer ranks of a Ray run go: one placement group, one bundle per GPU, and the logical → physical map.
 
 The group holds ``actor_num_nodes × actor_num_gpus_per_node`` bundles (and with ``--no-colocate`` one more per
-engine GPU, ``--rollout-num-gpus``), ``{"GPU": 1, "CPU": c}`` each (``{"CPU": c}``
-on a cluster without GPUs; c an even share of the cluster's CPUs), strategy ``PACK``. Ray decides which node and GPU a bundle lands on; a probe task on
-every bundle reports it (node IP, node id, GPU id), and the bundles are sorted by node, then GPU id, as slime does,
-so rank r is the r-th slot of that order: neighbouring ranks share a node, and rank 0's node hosts the rendezvous.
+engine GPU, ``--rollout-num-gpus``), ``{"GPU": 1, "CPU": c}`` each (``{"CPU": c}`` on a cluster without GPUs; c an
+even share of the cluster's CPUs), strategy ``PACK``. Ray decides which node and GPU a bundle lands on; a probe task
+on every bundle reports it (node IP, node id, GPU id), and the bundles are sorted by node, then GPU id, as slime
+does, so rank r is the r-th slot of that order: neighbouring ranks share a node, and rank 0's node hosts the
+rendezvous.
 """
 
 from dataclasses import dataclass
@@ -57,7 +58,6 @@ def place(ray, count: int, bundle: dict[str, float]):
 def _where_am_i(bundle_index: int) -> tuple:
     """In a task on one bundle: ``Slot`` fields of that bundle."""
     import ray
-
     from redline.ports import free_port
 
     gpus = ray.get_gpu_ids()

@@ -2,7 +2,6 @@
 ``REDLINE_FAULT``, the flags that need ``--ray-address``."""
 
 import pytest
-
 from redline.config import RunConfig
 from redline.configfile import ConfigError, apply_overrides
 from redline.loop import faults

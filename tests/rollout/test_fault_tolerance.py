@@ -6,7 +6,6 @@ import asyncio
 import itertools
 
 import pytest
-
 from redline.rollout.fault_tolerance import FaultTolerantEngine
 
 
@@ -64,7 +63,7 @@ def test_requests_of_a_failed_engine_are_answered_once_by_a_healthy_one(failure)
             engine.weights = "v3"  # the current weights, before the engine serves
             restored.append(engine)
         engines.restore = restore
-        first, second = made
+        first = made[0]
         setattr(first, failure, True)  # engine 0 takes requests and never answers them
         results = await asyncio.gather(*(engines.generate([f"r{i}"]) for i in range(6)))
         await engines.shutdown()
