@@ -16,6 +16,21 @@ def fault_tolerance_on(config) -> bool:
     return r.use_fault_tolerance if r.use_fault_tolerance is not None else bool(config.parallel.ray_address)
 
 
+def check_fault_tolerance(config) -> None:
+    """At start-up, before any model loads: ``--use-fault-tolerance`` where it cannot act is a ConfigError."""
+    from redline.loop.rollout_setup import resolve_engine
+
+    if not config.rollout.use_fault_tolerance:
+        return
+    if not config.parallel.colocate:
+        raise ConfigError("--use-fault-tolerance restarts colocated engine processes; --no-colocate engines are not "
+                          "restarted yet (a restarted engine would have to rebuild the weight-update group)")
+    if resolve_engine(config) != "embedded" or not config.rollout.embedded_engine_process:
+        raise ConfigError("--use-fault-tolerance restarts embedded engine processes: add --embedded-engine-process "
+                          "(--rollout-engine embedded); SGLang servers and an engine in the trainer's process are "
+                          "not restarted")
+
+
 def watched_engine(config, start):
     """The run's engine from ``start()``, behind ``FaultTolerantEngine`` when fault tolerance is on and the engine
     runs in a process of its own; ConfigError when ``--use-fault-tolerance`` asks for it where it cannot act."""

@@ -76,3 +76,16 @@ def test_a_rank_bundle_takes_a_gpu_and_an_even_share_of_the_cpus():
     assert bundle_for({"CPU": 128.0, "GPU": 8.0}, 8) == {"GPU": 1, "CPU": 16}
     assert actor_resources({"GPU": 1, "CPU": 16}) == {"num_gpus": 1, "num_cpus": 16}
     assert actor_resources({"CPU": 2}) == {"num_gpus": 0, "num_cpus": 2}
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"colocate": False, "embedded_engine_process": True}, "--no-colocate engines are not restarted yet"),
+    ({"embedded_engine_process": False}, "add --embedded-engine-process"),
+    ({"rollout_engine": "sglang"}, "add --embedded-engine-process")])
+def test_fault_tolerance_where_it_cannot_act_is_refused_at_start_up(flags, message):
+    from redline.loop.fault_tolerance import check_fault_tolerance
+
+    watched = {"use_fault_tolerance": True, "rollout_engine": "embedded", "embedded_engine_process": True}
+    check_fault_tolerance(apply_overrides(RunConfig(), watched))
+    with pytest.raises(ConfigError, match=message):
+        check_fault_tolerance(apply_overrides(RunConfig(), {**watched, **flags}))
