@@ -86,7 +86,9 @@ def run_on_ray(config, config_path=None) -> int:
             raise ConfigError(f"--no-colocate on Ray: the trainer starts its {size - world} engine process(es) "
                               f"itself, so their bundles must share its node; Ray spread them over "
                               f"{len({s.node_id for s in slots})} nodes")
-        out = Path(config.checkpoint.output_dir or _fixed_output_dir(config))  # every attempt writes here
+        # every attempt writes here; absolute, as a rank's working directory on another node may differ (the
+        # folder must then be on a file system every node sees, as the config's other paths)
+        out = Path(config.checkpoint.output_dir or _fixed_output_dir(config)).absolute()
         config = _replace(config, "checkpoint", output_dir=str(out))
         placement = _rows(slots, world)
         _announce(placement)
