@@ -1,12 +1,14 @@
 """Issue 18's GPU acceptance in one command: what Ray adds to the RL step of the 50M quickstart on one GPU.
 
-    python3 benchmarks/ray_acceptance.py OUTDIR [--engines embedded,embedded-process,sglang] [--num-rollout 30]
+    python3 benchmarks/ray_acceptance.py OUTDIR [--engines embedded,embedded-process,sglang,disaggregated]
+                                                [--num-rollout 30]
 
 For each engine (colocated on the one GPU: the in-process embedded engine, the embedded engine in its own process,
-SGLang when it is installed) it runs ``redline train examples/quickstart_gpu_50m.toml`` twice, without Ray and with
-``--ray-address local`` (the trainer rank a Ray actor on a one-GPU bundle; engine fault tolerance on, as it is by
-default under Ray: it watches the engine process), in alternating order so that neither always runs on a warmer
-machine. It writes OUTDIR/<engine>-<placement>/ (metrics.jsonl, report.md, placement.json under Ray),
+SGLang when it is installed; and with two GPUs visible ``disaggregated``: the trainer on GPU 0, an embedded engine
+process on GPU 1, its own bundle under Ray) it runs ``redline train examples/quickstart_gpu_50m.toml`` twice,
+without Ray and with ``--ray-address local`` (the trainer rank a Ray actor on a one-GPU bundle; engine fault
+tolerance on, as it is by default under Ray: it watches a colocated engine process), in alternating order so that
+neither always runs on a warmer machine. It writes OUTDIR/<engine>-<placement>/ (metrics.jsonl, report.md, placement.json under Ray),
 OUTDIR/<engine>-<placement>.log, and OUTDIR/summary.md + summary.json: per run the median ``perf/step_time`` and
 phase times over the steps after the first two (step 1 pays first-call costs), the final eval reward, the whole
 command's wall time (Ray's start-up included), and Ray's overhead on the median step, (ray - no-ray) / no-ray; the
@@ -29,7 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {"embedded": ["--rollout-engine", "embedded", "--no-embedded-engine-process"],
            "embedded-process": ["--rollout-engine", "embedded", "--embedded-engine-process"],
-           "sglang": ["--rollout-engine", "sglang"]}
+           "sglang": ["--rollout-engine", "sglang"],
+           # the trainer on one GPU, an embedded engine process on a second (a bundle of its own under Ray)
+           "disaggregated": ["--rollout-engine", "embedded", "--no-colocate", "--rollout-num-gpus", "1"]}
 PLACEMENTS = {"no-ray": [], "ray": ["--ray-address", "local"]}
 PHASES = ("perf/step_time", "perf/rollout_time", "perf/logprob_time", "perf/train_time", "perf/update_weights_time",
           "perf/idle_time")
@@ -61,7 +65,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--config", default="examples/quickstart_gpu_50m.toml")
-    parser.add_argument("--engines", default="embedded,embedded-process,sglang")
+    parser.add_argument("--engines", default="embedded,embedded-process,sglang,disaggregated")
     parser.add_argument("--num-rollout", type=int, default=None, help="RL steps per run (default: the config's)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -71,6 +75,11 @@ def main() -> int:
                                           check=False).returncode:
         print("sglang is not installed here: its runs are skipped")
         engines.remove("sglang")
+    gpus = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+    if "disaggregated" in engines and int(gpus or 0) < 2:
+        print(f"{gpus or 0} GPU(s) visible: the disaggregated runs (2 GPUs) are skipped")
+        engines.remove("disaggregated")
     results = {}
     for i, engine in enumerate(engines):
         order = list(PLACEMENTS) if i % 2 == 0 else list(reversed(PLACEMENTS))
@@ -94,7 +103,7 @@ def main() -> int:
                     f"{ray['exit_code']} |")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "summary.md").write_text(
-        f"# Ray's overhead on the RL step ({args.config}, colocated, one GPU)\n\nMedians over the steps after "
+        f"# Ray's overhead on the RL step ({args.config})\n\nMedians over the steps after "
         f"step {SKIPPED_STEPS}.\n\n" + "\n".join(rows) + "\n")
     print((args.out / "summary.md").read_text())
     return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
