@@ -8,9 +8,9 @@ import pytest
 
 from redline.ports import free_port
 
-from . import engine_seat_procs
+from tests.loop import engine_seat_procs  # importable by the spawned ranks
 
-CTX = mp.get_context("fork")
+CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HTTP, gloo) of earlier tests
 TIMEOUT_S = 180
 
 

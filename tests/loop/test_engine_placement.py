@@ -19,9 +19,9 @@ from redline.loop.engine_placement import (
 from redline.ports import free_port
 from redline.sync.broadcast import rank_offsets
 
-from . import engine_seat_procs
+from tests.loop import engine_seat_procs  # importable by the spawned ranks
 
-CTX = mp.get_context("fork")  # CPU-only ranks
+CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HTTP, gloo) of earlier tests
 TIMEOUT_S = 120
 
 

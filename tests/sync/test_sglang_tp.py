@@ -11,7 +11,7 @@ from redline.ports import free_port
 from redline.sync.plan import named_buckets, plan_for
 from redline.sync.sglang import gather_rank_payloads
 
-CTX = mp.get_context("fork")  # CPU-only ranks; fork skips re-importing torch
+CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HTTP, gloo) of earlier tests
 TIMEOUT_S = 120
 
 
