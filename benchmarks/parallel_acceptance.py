@@ -202,11 +202,11 @@ def scaling(results: dict[str, dict], runs: list[Run]) -> dict[str, dict]:
 
 def markdown(report: dict) -> str:
     lines = [f"# Issue 17 GPU acceptance ({report['device']}, {report['gpus']} GPUs)", "",
-             f"Model: {report['model']} shape, random weights, fp32 master weights; engine: {report['engine']}. "
-             f"Medians over steps 2..N (step 1 in brackets). Commit: {report['commit']}.", ""]
+             (f"Model: {report['model']} shape, random weights, fp32 master weights; engine: {report['engine']}. "
+              f"Medians over steps 2..N (step 1 in brackets). Commit: {report['commit']}."), ""]
     if report["engine"] != "sglang":
-        lines += ["**SGLang was not importable: the multi-GPU SGLang engine (--rollout-num-gpus-per-engine > 1) was "
-                  "NOT measured; every GPU ran the embedded engine unsharded.**", ""]
+        lines += [("**SGLang was not importable: the multi-GPU SGLang engine (--rollout-num-gpus-per-engine > 1) "
+                   "was NOT measured; every GPU ran the embedded engine unsharded.**"), ""]
     keys = ["perf/step_time", "perf/rollout_time", "perf/logprob_time", "perf/train_time",
             "perf/update_weights_time", "perf/sync_time", "perf/offload_rollout_time"]
     lines += ["| run | gpus | TP | PP | SP | engine GPUs | status | " + " | ".join(k.removeprefix("perf/")
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
         with log.open("w") as f:
             try:
                 code = subprocess.run(commands[run.name], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                      timeout=args.run_timeout).returncode
+                                      timeout=args.run_timeout, check=False).returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"
         status = "ok" if code == 0 else f"failed ({code}; see {log.name})"

@@ -63,19 +63,19 @@ def engine_of(c):
 
 
 @pytest.mark.parametrize("overrides,world,local,message", [
-    (dict(rollout_num_gpus_per_engine=0), 1, 1, "--rollout-num-gpus-per-engine must be >= 1, got 0"),
-    (dict(rollout_num_gpus_per_engine=2), 4, 4, "only SGLang shards an engine.*the embedded engine"),
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang"), 3, 3,
+    ({"rollout_num_gpus_per_engine": 0}, 1, 1, "--rollout-num-gpus-per-engine must be >= 1, got 0"),
+    ({"rollout_num_gpus_per_engine": 2}, 4, 4, "only SGLang shards an engine.*the embedded engine"),
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang"}, 3, 3,
      "3 rank\\(s\\), 3 on this node.*a multiple of 2 processes per node"),
-    (dict(rollout_num_gpus_per_engine=4, rollout_engine="sglang"), 8, 2, "8 rank\\(s\\), 2 on this node"),
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang"), 1, 1, "1 rank\\(s\\)"),
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang", sglang_server_urls="http://h:1"), 2, 2,
+    ({"rollout_num_gpus_per_engine": 4, "rollout_engine": "sglang"}, 8, 2, "8 rank\\(s\\), 2 on this node"),
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang"}, 1, 1, "1 rank\\(s\\)"),
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang", "sglang_server_urls": "http://h:1"}, 2, 2,
      "drop --sglang-server-urls"),
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang", check_weights="true"), 2, 2,
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang", "check_weights": "true"}, 2, 2,
      "--check-weights compares .* TP shards"),
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang", use_fault_tolerance="true"), 2, 2,
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang", "use_fault_tolerance": "true"}, 2, 2,
      "--use-fault-tolerance restarts"),
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang", colocate="false", rollout_num_gpus=3), 1, 1,
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang", "colocate": "false", "rollout_num_gpus": 3}, 1, 1,
      "--rollout-num-gpus-per-engine 2 must divide --rollout-num-gpus 3"),
 ])
 def test_start_up_refusals_name_the_flags(overrides, world, local, message):
@@ -85,11 +85,11 @@ def test_start_up_refusals_name_the_flags(overrides, world, local, message):
 
 
 @pytest.mark.parametrize("overrides,world", [
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang"), 4),
-    (dict(rollout_num_gpus_per_engine=2, rollout_engine="sglang", colocate="false", rollout_num_gpus=4), 1),
-    (dict(rollout_num_gpus_per_engine=4, rollout_engine="sglang", colocate="false",
-          sglang_server_urls="http://h:1"), 1),
-    (dict(rollout_num_gpus_per_engine=1), 3),
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang"}, 4),
+    ({"rollout_num_gpus_per_engine": 2, "rollout_engine": "sglang", "colocate": "false", "rollout_num_gpus": 4}, 1),
+    ({"rollout_num_gpus_per_engine": 4, "rollout_engine": "sglang", "colocate": "false",
+      "sglang_server_urls": "http://h:1"}, 1),
+    ({"rollout_num_gpus_per_engine": 1}, 3),
 ])
 def test_layouts_that_fit_pass(overrides, world):
     c = config(**overrides)

@@ -10,7 +10,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import parallel_acceptance as acceptance  # noqa: E402
+import parallel_acceptance as acceptance
 
 
 def test_two_gpus_plan_a_colocated_tp2_engine_and_the_scaling_slice():

@@ -9,19 +9,19 @@ from rich.console import Console
 
 pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
 
-from redline.configfile import apply_overrides  # noqa: E402
-from redline.loop.builtin import materialize  # noqa: E402
-from redline.loop.step import rl_step  # noqa: E402
-from redline.loop.train import build, shutdown  # noqa: E402
-from redline.rollout.sglang.client import SGLangClient  # noqa: E402
-from redline.rollout.sglang.weight_check import expected_checksums  # noqa: E402
+from redline.configfile import apply_overrides
+from redline.loop.builtin import materialize
+from redline.loop.step import rl_step
+from redline.loop.train import build, shutdown
+from redline.rollout.sglang.client import SGLangClient
+from redline.rollout.sglang.weight_check import expected_checksums
 
-from tests.rollout.fake_sglang import fake_sglang_process  # noqa: E402
-from tests.rollout.fake_sglang_tp import FakeTPSGLang  # noqa: E402
-from tests.rollout.test_sglang_weight_check import byte_hash  # noqa: E402
+from tests.rollout.fake_sglang import fake_sglang_process
+from tests.rollout.fake_sglang_tp import FakeTPSGLang
+from tests.rollout.test_sglang_weight_check import byte_hash
 
-from .test_train import small_config  # noqa: E402
-from .test_weight_sync import BUCKET_BYTES  # noqa: E402
+from .test_train import small_config
+from .test_weight_sync import BUCKET_BYTES
 
 
 def rank_checksums(url):

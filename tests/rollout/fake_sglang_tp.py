@@ -19,7 +19,7 @@ def _tp_rank(tp_rank, pipe, hash_fn):
         if action == "join":
             pipe.send(rank.join_group({**body, "rank_offset": body["rank_offset"] + tp_rank}))
         elif action == "receive":
-            status, answer = rank.receive_bucket(body)
+            status, _ = rank.receive_bucket(body)
             pipe.send((status, dict(rank.checksums)))
         else:
             pipe.send(rank.route("/destroy_weights_update_group", body))
