@@ -73,7 +73,7 @@ def push_through_seat(rank, world, port, offload, results):
         if server:
             server.__exit__()
         dist.destroy_process_group()
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
         results.put((rank, traceback.format_exc()))
 
 
@@ -93,7 +93,7 @@ def share_a_launch(rank, world, port, fail, results):
             outcome = ("raised", str(error))
         results.put((rank, outcome))
         dist.destroy_process_group()
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
         results.put((rank, traceback.format_exc()))
 
 
@@ -133,7 +133,7 @@ def embedded_engine_beside_parallel_trainer(rank, world, port, layout, mode, res
         diff = max((held[name] - tensor).abs().max().item() for name, tensor in expected.export_hf())
         results.put((rank, (sync.mode, len(held) == len(dict(expected.export_hf())), diff)))
         dist.destroy_process_group()
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
         results.put((rank, traceback.format_exc()))
 
 
@@ -184,5 +184,5 @@ def tp_trainer_through_seat(rank, world, port, results):
         if server:
             server.__exit__()
         dist.destroy_process_group()
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
         results.put((rank, traceback.format_exc()))
