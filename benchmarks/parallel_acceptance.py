@@ -1,6 +1,8 @@
 """Issue 17's GPU acceptance in one sitting, on a 2x or 4x H200 machine:
 
     python3 benchmarks/parallel_acceptance.py OUTDIR              # every run the visible GPUs allow
+    python3 benchmarks/parallel_acceptance.py OUTDIR --only tp2-sp-sglang2   # one run; the report covers every
+                                                                  # run with a result in OUTDIR (models kept)
     python3 benchmarks/parallel_acceptance.py OUTDIR --dry-run    # the plan, the commands, the configs; no run
     python3 benchmarks/parallel_acceptance.py OUTDIR --cpu --model tiny --base-config examples/quickstart.toml \
         --dtype float32 --slice-layers 2 --steps 2 --extra "--rollout-batch-size 4 --global-batch-size 32 \
@@ -230,6 +232,8 @@ def markdown(report: dict) -> str:
         cells.append(f"{gap:.4f}" if gap is not None else "—")
         lines.append(f"| {name} | {run['gpus']} | {run['tp']} | {run['pp']} | {'yes' if run['sp'] else 'no'} | "
                      f"{run['gpus_per_engine']} | {result['status']} | " + " | ".join(cells) + " |")
+    if report.get("missing"):
+        lines += ["", f"Not run yet (in this folder): {', '.join(report['missing'])}."]
     if report["scaling"]:
         lines += ["", f"Train-phase scaling against slice-tp1 (target >= {SCALING_TARGET:.0%}):", "",
                   "| run | gpus | train s | TP=1 train s | efficiency | target |", "|---|---|---|---|---|---|"]
@@ -309,6 +313,8 @@ def parse_args(argv=None):
     parser.add_argument("--extra", default="", help="more `redline train` flags for every run (one string)")
     parser.add_argument("--dry-run", action="store_true",
                         help="plan, check every launch's flags with the real CLI, write plan.json; run nothing")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing; rebuild acceptance.json/.md from the runs' results already in OUT")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (step 1 is the warm-up the medians leave out)")
@@ -319,20 +325,39 @@ def parse_args(argv=None):
     return args
 
 
+def run_one(run: Run, argv: list[str], out: Path, env: dict, timeout: float) -> dict:
+    """Launch ``run``, wait (at most ``timeout`` seconds), summarise its metrics; the result is also written to
+    ``OUT/<run>.result.json`` so a later invocation (``--only``, ``--report-only``) reports it too."""
+    start = time.perf_counter()
+    log = out / f"{run.name}.log"
+    with log.open("w") as f:
+        try:
+            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout,
+                                  check=False).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    result = {"run": asdict(run), "command": argv, "status": "ok" if code == 0 else f"failed ({code}; see {log.name})",
+              "wall_s": time.perf_counter() - start,
+              "summary": summarize_run(read_metrics(out / run.name / "metrics.jsonl"))}
+    (out / f"{run.name}.result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     engine = "embedded" if args.cpu else resolve_engine(args.engine)
-    gpus = args.gpus or (4 if visible_gpus() >= 4 else 2 if args.dry_run or args.cpu or visible_gpus() >= 2
-                         else visible_gpus())
-    if not (args.dry_run or args.cpu) and visible_gpus() < gpus:
+    gpus = args.gpus or (4 if visible_gpus() >= 4 else 2 if args.dry_run or args.cpu or args.report_only
+                         or visible_gpus() >= 2 else visible_gpus())
+    if not (args.dry_run or args.cpu or args.report_only) and visible_gpus() < gpus:
         raise SystemExit(f"{gpus} GPUs needed, {visible_gpus()} visible (--dry-run plans without GPUs)")
-    runs = plan_runs(gpus, engine, scaling=not args.no_scaling)
+    planned = plan_runs(gpus, engine, scaling=not args.no_scaling)
+    runs = planned
     if args.only:
         wanted = set(args.only.split(","))
-        unknown = wanted - {r.name for r in runs}
+        unknown = wanted - {r.name for r in planned}
         if unknown:
-            raise SystemExit(f"--only {sorted(unknown)}: not planned here; planned: {[r.name for r in runs]}")
-        runs = [r for r in runs if r.name in wanted]
+            raise SystemExit(f"--only {sorted(unknown)}: not planned here; planned: {[r.name for r in planned]}")
+        runs = [r for r in planned if r.name in wanted]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     models = model_dirs(out, args.model, args.slice_layers)
@@ -344,39 +369,31 @@ def main(argv=None) -> int:
         check_engine_layout(run, check_command(commands[run.name]))
     plan = {"gpus": gpus, "engine": engine, "model": args.model, "steps": args.steps,
             "slice_layers": args.slice_layers, "runs": [{**asdict(r), "command": commands[r.name]} for r in runs]}
-    (out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     if args.dry_run:
+        (out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
         for run in runs:
             print(f"{run.name}: {' '.join(commands[run.name])}")
         return 0
 
-    make_models(models, args.model, args.slice_layers, {r.model for r in runs}, args.dtype)
-    env = {**os.environ, **MULTICAST_OFF, "COLUMNS": "200"}
-    results, failed = {}, False
-    for run in runs:
-        start = time.perf_counter()
-        log = out / f"{run.name}.log"
-        with log.open("w") as f:
-            try:
-                code = subprocess.run(commands[run.name], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                      timeout=args.run_timeout, check=False).returncode
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-        status = "ok" if code == 0 else f"failed ({code}; see {log.name})"
-        failed |= code != 0
-        results[run.name] = {"run": asdict(run), "command": commands[run.name], "status": status,
-                             "wall_s": time.perf_counter() - start,
-                             "summary": summarize_run(read_metrics(out / run.name / "metrics.jsonl"))}
-        print(f"{run.name}: {status} in {results[run.name]['wall_s']:.0f} s", flush=True)
+    if not args.report_only:
+        make_models(models, args.model, args.slice_layers, {r.model for r in runs}, args.dtype)
+        env = {**os.environ, **MULTICAST_OFF, "COLUMNS": "200"}
+        for run in runs:
+            result = run_one(run, commands[run.name], out, env, args.run_timeout)
+            print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s", flush=True)
+    # every planned run that has a result here, from this invocation or an earlier one
+    results = {r.name: json.loads((out / f"{r.name}.result.json").read_text()) for r in planned
+               if (out / f"{r.name}.result.json").exists()}
     import torch
 
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "gpus": gpus,
               "engine": engine, "commit": git_describe(), "model": args.model, "steps": args.steps,
-              "slice_layers": args.slice_layers, "runs": results, "scaling": scaling(results, runs)}
+              "slice_layers": args.slice_layers, "runs": results, "scaling": scaling(results, planned),
+              "missing": [r.name for r in planned if r.name not in results]}
     (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "acceptance.md").write_text(markdown(report))
     print(markdown(report))
-    if failed:
+    if any(r["status"] != "ok" for r in results.values()):
         return 2
     return 1 if any(s["meets_target"] is False for s in report["scaling"].values()) else 0
 

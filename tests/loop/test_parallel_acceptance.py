@@ -129,3 +129,19 @@ def test_the_script_runs_end_to_end_on_the_cpu_at_a_tiny_size(tmp_path):
     assert summary["steps"] == 2 and summary["phases"]["perf/train_time"]["median_s"] > 0
     assert summary["logprob_gap_max"] is not None
     assert "| tp2-sp-embedded1 | 2 | 2 | 1 | yes | 1 | ok |" in (tmp_path / "acceptance.md").read_text()
+
+
+def test_the_report_covers_runs_of_earlier_invocations(tmp_path):
+    # runs launched one at a time (--only) leave OUT/<run>.result.json; --report-only rebuilds the whole report
+    for name, series in {"slice-tp1": [5.0, 2.0, 2.0], "slice-tp2-sp": [5.0, 1.0, 1.0]}.items():
+        write_metrics(tmp_path / name, series)
+        run = next(r for r in acceptance.plan_runs(2, "sglang") if r.name == name)
+        summary = acceptance.summarize_run(acceptance.read_metrics(tmp_path / name / "metrics.jsonl"))
+        (tmp_path / f"{name}.result.json").write_text(json.dumps(
+            {"run": acceptance.asdict(run), "command": [], "status": "ok", "wall_s": 1.0, "summary": summary}))
+    code = acceptance.main([str(tmp_path), "--report-only", "--gpus", "2", "--engine", "sglang"])
+    report = json.loads((tmp_path / "acceptance.json").read_text())
+    assert code == 0 and set(report["runs"]) == {"slice-tp1", "slice-tp2-sp"}
+    assert report["scaling"]["slice-tp2-sp"]["scaling_efficiency"] == pytest.approx(1.0)
+    assert report["missing"] == ["tp2-sp-sglang2", "slice-pp2"]
+    assert "Not run yet (in this folder): tp2-sp-sglang2, slice-pp2." in (tmp_path / "acceptance.md").read_text()
