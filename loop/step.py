@@ -166,7 +166,8 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     train_time = clock() - t0
     state.schedule.overlap_end()
 
-    # 5. weight sync (--async-rollout: every --update-weights-interval steps, when the schedule allows): planned buckets into the engine (resuming its memory around them when offloaded)
+    # 5. weight sync: planned buckets into the engine, resuming its memory around them when offloaded
+    #    (--async-rollout: every --update-weights-interval steps, when the schedule allows)
     state.on_phase("weight sync")
     t0 = clock()
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
