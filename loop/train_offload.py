@@ -22,6 +22,7 @@ trainer (``pause``, both stages, before it is built): the state is paused whenev
 
 from __future__ import annotations
 
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,11 +50,13 @@ def offload_train_enabled(config) -> bool:
 
 @dataclass(frozen=True)
 class PlanGroup:
-    """One group of the trainer's state: what the pause does to it (``ACTIONS``), at which stage, its buffers,
+    """One group of the trainer's state (``key``: its short name): what the pause does to it (``ACTIONS``), at
+    which stage, its buffers,
     the device bytes the pause releases (allocations rounded to the driver's granularity) and the bytes copied
     to pinned host memory at the pause (and back at resume)."""
 
     name: str
+    key: str  # in its metric's name: perf/pause_train_<key>_time
     action: str
     stage: str
     tensors: tuple[torch.Tensor, ...]
@@ -99,6 +102,11 @@ class TrainOffload:
         self.plan: OffloadPlan | None = None  # the plan of the pause in progress (None: resident)
         self.stage: str | None = None  # the last stage paused, None while resident
         self.cache_bytes = 0  # the caching allocator's reserved bytes after the state's pause (empty_cache)
+        # seconds of the last pause (perf/pause_train_<key>_time per group, perf/pause_train_cache_time for
+        # empty_cache) or the last resume (perf/resume_train_map_time: every allocation mapped back and the kept
+        # contents copied in; perf/resume_train_rebuild_time: the compute weights rebuilt), measured around
+        # synchronised device work: the plan's cost, group by group
+        self.timings: dict[str, float] = {}
 
     @property
     def paused(self) -> bool:
@@ -121,7 +129,11 @@ class TrainOffload:
         return [m for m in (ref() for ref in self._masters) if m is not None]
 
     def make_plan(self) -> OffloadPlan:
-        """The plan for the state alive now (an optimizer dropped since, like the SFT warm-up's, is gone)."""
+        """The plan for the state alive now (an optimizer dropped since, like the SFT warm-up's, is gone); a
+        ``RuntimeError`` when no ``MasterWeights`` is tracked (the state would stay resident unnoticed)."""
+        if not self.masters():
+            raise RuntimeError(f"--offload-train: no MasterWeights tracked by the TrainOffload on {self.device}: the "
+                               "trainer's state was not allocated through it and would stay on the GPU")
         compute = {"rebuild": [], "host": []}
         grads, masters = [], []
         for m in self.masters():
@@ -130,28 +142,29 @@ class TrainOffload:
             if not m.offload:
                 masters += [g.master for g in m.groups]
         moments = [t for t in (ref() for ref in self._moments) if t is not None]
-        specs = [("gradients (fp32 main grad)", "zeros", STATE, grads),
-                 ("master weights (fp32)", "host", STATE, masters),
-                 ("Adam moments (fp32)", "host", STATE, moments),
-                 ("compute weights", "rebuild", WEIGHTS, compute["rebuild"]),
-                 ("compute weights", "host", WEIGHTS, compute["host"])]
-        return OffloadPlan(tuple(self._group(*spec) for spec in specs if spec[3]))
+        specs = [("gradients (fp32 main grad)", "grads", "zeros", STATE, grads),
+                 ("master weights (fp32)", "masters", "host", STATE, masters),
+                 ("Adam moments (fp32)", "moments", "host", STATE, moments),
+                 ("compute weights", "compute", "rebuild", WEIGHTS, compute["rebuild"]),
+                 ("compute weights", "compute", "host", WEIGHTS, compute["host"])]
+        return OffloadPlan(tuple(self._group(*spec) for spec in specs if spec[-1]))
 
-    def _group(self, name: str, action: str, stage: str, tensors: list[torch.Tensor]) -> PlanGroup:
+    def _group(self, name: str, key: str, action: str, stage: str, tensors: list[torch.Tensor]) -> PlanGroup:
         device = sum(self.memory.allocation_bytes(t) for t in tensors)
         host = sum(t.untyped_storage().nbytes() for t in tensors) if action == "host" else 0
-        return PlanGroup(name, action, stage, tuple(tensors), device, host)
+        return PlanGroup(name, key, action, stage, tuple(tensors), device, host)
 
     def pause_state(self) -> None:
         """Stage one: gradients, master weights and moments paused by the plan, then the cached blocks of
         activations and other temporaries given back to the driver. Waits for all queued device work."""
         if self.paused:
             return
-        self.plan = self.make_plan()
+        self.plan, self.timings = self.make_plan(), {}
         self._pause(self.plan.stage(STATE))
         self.stage = STATE
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            with self._timed("perf/pause_train_cache_time"):
+                torch.cuda.empty_cache()
             self.cache_bytes = torch.cuda.memory_reserved(self.device)
 
     def pause_weights(self) -> None:
@@ -167,8 +180,23 @@ class TrainOffload:
         self.pause_weights()
 
     def _pause(self, groups: list[PlanGroup]) -> None:
-        tensors = [t for g in groups for t in g.tensors]
-        self.memory.pause_tensors(tensors, [g.action == "host" for g in groups for _ in g.tensors])
+        """Each group on its own (its copies to pinned host waited for), timed."""
+        self._synchronize()  # the queued work the first group would otherwise be charged with
+        for g in groups:
+            with self._timed(f"perf/pause_train_{g.key}_time"):
+                self.memory.pause_tensors(list(g.tensors), [g.action == "host"] * len(g.tensors))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def _timed(self, metric: str):
+        """Adds the block's seconds, its device work included, to ``timings[metric]``."""
+        start = time.perf_counter()
+        yield
+        self._synchronize()
+        self.timings[metric] = self.timings.get(metric, 0.0) + time.perf_counter() - start
 
     @torch.no_grad()
     def resume(self) -> None:
@@ -176,15 +204,19 @@ class TrainOffload:
         dropped compute weights rebuilt from the master weights (gathered over data parallelism)."""
         if not self.paused:
             return
-        self.memory.resume()
-        for group in self.plan.groups:
-            if group.action == "zeros":
-                for t in group.tensors:
-                    t.zero_()
+        self.timings = {}
+        self._synchronize()
+        with self._timed("perf/resume_train_map_time"):
+            self.memory.resume()
+            for group in self.plan.groups:
+                if group.action == "zeros":
+                    for t in group.tensors:
+                        t.zero_()
         if any(g.action == "rebuild" and g.stage == self.stage for g in self.plan.groups):
-            for m in self.masters():
-                if not m.offload:
-                    m.publish()
+            with self._timed("perf/resume_train_rebuild_time"):
+                for m in self.masters():
+                    if not m.offload:
+                        m.publish()
         self.stage, self.plan = None, None
 
     def residual_bytes(self) -> int:
@@ -194,9 +226,16 @@ class TrainOffload:
         return self.cache_bytes + self.memory.stats()["mapped_bytes"]
 
 
+def train_offload(device: torch.device | str) -> TrainOffload:
+    """The process's ``TrainOffload`` on ``device`` (the native allocator is one per process), ``device`` taken as
+    a tensor made there reports it: the loop names a colocated trainer's GPU ``cuda`` while the parameters'
+    ``MasterWeights`` ask with ``cuda:0``, and both must reach the one that tracks the state (keyed by the name
+    as given, the loop paused an empty ``TrainOffload`` on the H100: nothing but ``empty_cache``)."""
+    return _train_offload(torch.empty(0, device=device).device)
+
+
 @cache
-def train_offload(device: torch.device) -> TrainOffload:
-    """The process's ``TrainOffload`` on ``device`` (the native allocator is one per process)."""
+def _train_offload(device: torch.device) -> TrainOffload:
     from redline.sync.memory import PausableMemory
 
     return TrainOffload(PausableMemory(device))

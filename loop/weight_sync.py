@@ -17,8 +17,9 @@ colocated sequence of ``redline.rollout.engine``: ``resume_memory({"weights"})``
 With ``--offload-train`` (``redline.loop.train_offload``) the trainer's state is paused around it: gradients,
 master weights and moments before the engine resumes its weights, the compute weights once the push (and its
 check) has read them, both timed as ``perf/pause_train_time``; the GPU memory the paused trainer still holds is
-``perf/trainer_paused_bytes``. The trainer resumes at the next ``release`` (``perf/resume_train_time``), before
-the log-prob phase. Its memory cannot cross CUDA IPC, so the engine process gets the pipelined protocol.
+``perf/trainer_paused_bytes``; each group's share is ``perf/pause_train_<group>_time``. The trainer resumes at the
+next ``release`` (``perf/resume_train_time``: ``perf/resume_train_map_time`` and ``_rebuild_time``), before the
+log-prob phase. Its memory cannot cross CUDA IPC, so the engine process gets the pipelined protocol.
 
 With ``--no-colocate`` (``BroadcastWeightSync``) the engines run on other GPUs (embedded engine processes also on
 the CPU of a CPU machine): the trainer is rank 0 of a ``redline.sync.broadcast`` weight-update group, built the way
@@ -175,6 +176,7 @@ class WeightSync:
         (``perf/resume_train_time``)."""
         if self.train is not None and self.train.paused:
             await self._timed("perf/resume_train_time", self._run(self.train.resume))
+            self.timings.update(self.train.timings)  # its parts: mapping back, the rebuild
 
     async def _make_room(self) -> None:
         """Give the trainer's cached, unused blocks back to the driver only when the engine's memory would not
@@ -203,6 +205,7 @@ class WeightSync:
             await self._timed("perf/pause_train_time", self._run(self.train.pause_weights))
             self.timings["perf/pause_train_time"] += state_seconds
             self.timings["perf/trainer_paused_bytes"] = self.train.residual_bytes()
+            self.timings.update(self.train.timings)  # each group's pause (perf/pause_train_<group>_time)
         if self.released:
             if self.device.type == "cuda":  # free memory as the KV cache comes back: what a cache sized by it gets
                 self.timings["perf/kv_headroom_bytes"] = free_device_bytes(self.device)
@@ -303,7 +306,7 @@ class WeightSync:
                  "direct": f"sent vs held bytes, {rows}"}.get(self.mode, f"bucket checksums, {rows}")
         train = ""
         if self.train is not None:
-            plan = self.train.make_plan()
+            plan = self.train.plan or self.train.make_plan()  # the pause's own plan while paused
             train = (f" · offload train: {plan.device_bytes / 2**30:.2f} GiB released while the engine generates, "
                      f"{plan.host_bytes / 2**30:.2f} GiB of it kept in pinned host memory")
         return (f"weight sync: {self.mode}, {describe_plan(self.plan)}{' · offload rollout' if self.offload else ''}"

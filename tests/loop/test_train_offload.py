@@ -35,6 +35,19 @@ def memory(tmp_path):
     return PausableMemory.host_imitation(copy)
 
 
+@pytest.fixture
+def process_memory(memory, monkeypatch):
+    """``memory`` as the process's pausable memory: the loop's own ``train_offload`` lookups build their
+    ``TrainOffload`` over it (the real driver's ``PausableMemory`` needs a GPU)."""
+    from redline.loop import train_offload
+    from redline.sync import memory as memory_module
+
+    train_offload._train_offload.cache_clear()
+    monkeypatch.setattr(memory_module, "PausableMemory", lambda device: memory)
+    yield memory
+    train_offload._train_offload.cache_clear()
+
+
 def bf16_model(seed=0):
     config = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -134,7 +147,7 @@ def test_the_plan_drops_gradients_rebuilds_compute_weights_and_keeps_masters_and
 
 def test_each_stage_releases_what_the_plan_says_and_the_paused_trainer_holds_nothing_pausable(memory):
     offload = TrainOffload(memory)
-    trainer(offload)
+    _model, _master, _optimizer = trainer(offload)  # kept alive: the offload tracks them weakly
     plan = offload.make_plan()
     mapped = memory.stats()["mapped_bytes"]
     assert mapped == plan.device_bytes  # everything the trainer allocated is in the plan
@@ -232,20 +245,18 @@ def test_start_up_refuses_it_with_engines_on_other_gpus(tmp_path):
 
 def loop_run(tmp_path, monkeypatch, memory, steps: int, **overrides):
     """``steps`` RL steps of the small run in bf16 (fp32 master weights with or without offload) with
-    --offload-rollout (the recording engine of test_weight_sync); --offload-train's memory is ``memory`` (the
-    host imitation) when given."""
-    from redline.loop import train_offload
-
+    --offload-rollout (the recording engine of test_weight_sync); with --offload-train when ``memory`` (the
+    process's, ``process_memory``) is given."""
     from .test_weight_sync import recorded_run
 
     if memory is not None:
-        offload = TrainOffload(memory)
-        monkeypatch.setattr(train_offload, "train_offload", lambda device: offload)
         overrides["offload_train"] = "true"
     return recorded_run(tmp_path, monkeypatch, steps=steps, offload_rollout="true", dtype="bfloat16", **overrides)
 
 
-def test_the_loop_pauses_the_trainer_around_generation_and_trains_as_without_offload(tmp_path, monkeypatch, memory):
+def test_the_loop_pauses_the_trainer_around_generation_and_trains_as_without_offload(tmp_path, monkeypatch,
+                                                                                      process_memory):
+    memory = process_memory
     state, _, metrics = loop_run(tmp_path / "offload", monkeypatch, memory, steps=2)
     _, _, plain = loop_run(tmp_path / "plain", monkeypatch, None, steps=2)
     offload = state.weight_sync.train
@@ -258,7 +269,52 @@ def test_the_loop_pauses_the_trainer_around_generation_and_trains_as_without_off
     assert offload.masters() == [state.worker.master]
 
 
-def test_a_checkpoint_reads_the_resumed_trainer_and_the_engine_gets_its_weights_back(tmp_path, monkeypatch, memory):
+def test_the_loop_and_the_parameters_get_one_offload_whatever_name_the_device_is_given(process_memory):
+    """The loop names a colocated GPU ``cuda``, the parameters report ``cuda:0`` (here ``cpu:0`` and ``cpu``)."""
+    from redline.loop.train_offload import train_offload
+
+    assert train_offload(torch.device("cpu", 0)) is train_offload(torch.device("cpu"))
+
+
+def test_a_plan_with_no_training_state_tracked_is_an_error(memory):
+    with pytest.raises(RuntimeError, match="no MasterWeights tracked"):
+        TrainOffload(memory).make_plan()
+
+
+def test_in_the_loop_every_buffer_of_the_training_state_is_paused_by_the_plan_and_the_start_up_line_says_so(
+        tmp_path, monkeypatch, process_memory):
+    """After real optimizer steps, with the loop naming the device unlike the parameters: compute weights, fp32
+    gradients, masters and both moments all lie in allocations the pause released; the plan's bytes are the whole
+    training state's, the start-up line states them, and each group's pause is timed."""
+    from redline.loop import rollout_setup
+
+    monkeypatch.setattr(rollout_setup, "trainer_device", lambda config: torch.device("cpu", 0))
+    state, _, metrics = loop_run(tmp_path, monkeypatch, process_memory, steps=2)
+    offload, master = state.weight_sync.train, state.worker.master
+    assert offload.paused and process_memory.stats()["mapped_bytes"] == 0
+    planned = {t.untyped_storage().data_ptr() for g in offload.plan.groups for t in g.tensors}
+    moments = state.worker.optimizer.state
+    for g in master.groups:
+        for name, tensor in (("compute", g.compute), ("main_grad", g.main_grad), ("master", g.master),
+                             ("exp_avg", moments[g.master]["exp_avg"]),
+                             ("exp_avg_sq", moments[g.master]["exp_avg_sq"])):
+            assert tensor.untyped_storage().data_ptr() in planned, name
+    state_bytes = {what: nbytes for what, _, nbytes, _ in master.memory_rows()}
+    host = state_bytes["master weights (fp32)"] + state_bytes["Adam moments (fp32 × 2)"]
+    assert offload.plan.host_bytes == host
+    assert offload.plan.device_bytes >= sum(state_bytes.values())
+    assert (f"offload train: {offload.plan.device_bytes / 2**30:.2f} GiB released while the engine generates, "
+            f"{host / 2**30:.2f} GiB of it kept in pinned host memory") in state.weight_sync.describe()
+    for m in metrics:
+        parts = [m[f"perf/pause_train_{key}_time"] for key in ("grads", "masters", "moments", "compute")]
+        assert all(t > 0 for t in parts) and sum(parts) <= m["perf/pause_train_time"]
+    assert 0 < metrics[1]["perf/resume_train_map_time"] + metrics[1]["perf/resume_train_rebuild_time"] <= \
+        metrics[1]["perf/resume_train_time"]
+
+
+def test_a_checkpoint_reads_the_resumed_trainer_and_the_engine_gets_its_weights_back(tmp_path, monkeypatch,
+                                                                                      process_memory):
+    memory = process_memory
     from redline.loop.train_offload import trainer_resident
 
     state, engine, _ = loop_run(tmp_path, monkeypatch, memory, steps=1)
@@ -304,19 +360,19 @@ def test_on_a_gpu_the_paused_trainer_frees_its_state_and_resumes_bit_exact(cpu_o
             assert torch.equal(value, before[name]), f"step {step}: {name}"
 
 
-def test_the_engine_starts_beside_a_paused_trainer_and_an_sft_warm_up_resumes_it(tmp_path, monkeypatch, memory):
+def test_the_engine_starts_beside_a_paused_trainer_and_an_sft_warm_up_resumes_it(tmp_path, monkeypatch,
+                                                                                  process_memory):
     from redline.configfile import apply_overrides
-    from redline.loop import train_offload
     from redline.loop.builtin import materialize
     from redline.loop.sft import sft_warmup
     from redline.loop.train import build
     from rich.console import Console
 
-    offload = TrainOffload(memory)
-    monkeypatch.setattr(train_offload, "train_offload", lambda device: offload)
+    memory = process_memory
     config = offload_config(tmp_path, sft_steps="2", offload_train="true", offload_rollout="true", dtype="bfloat16")
     config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
     state, tokenizer = build(config, Console(quiet=True))
+    offload = state.weight_sync.train
     try:
         assert offload.paused and memory.stats()["mapped_bytes"] == 0
         warm = sft_warmup(state, tokenizer)
