@@ -166,23 +166,28 @@ class DataParallel:
         return {k: v / totals[-1] for k, v in zip(keys, totals[:-1])}
 
     def from_main(self, make):
-        """``make()`` run on rank 0 only, its result (picklable) handed to every rank. Whatever it raises is
-        raised on rank 0 and reported on every other rank (``ValueError`` for a ``ValueError``, ``ConfigError``
-        included; ``RuntimeError`` otherwise), so no rank waits for a result that never comes."""
+        """``make()`` run on rank 0 only, its result (picklable) handed to every rank (``from_rank``)."""
+        return self.from_rank(make, 0)
+
+    def from_rank(self, make, src: int):
+        """``make()`` run on global rank ``src`` only, its result (picklable) handed to every rank (all of them
+        call). Whatever it raises is raised on ``src`` and reported on every other rank (``ValueError`` for a
+        ``ValueError``, ``ConfigError`` included; ``RuntimeError`` otherwise), so no rank waits for a result that
+        never comes."""
         if self.processes == 1:
             return make()
         box, error = [None, None], None
-        if self.is_main:
+        if self.process_rank == src:
             try:
                 box[0] = make()
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
                 error, box[1] = exc, (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}")
-        dist.broadcast_object_list(box, src=0, device=self.device)
+        dist.broadcast_object_list(box, src=src, device=self.device)
         if error is not None:
             raise error
         if box[1] is not None:
             is_value_error, message = box[1]
-            raise (ValueError if is_value_error else RuntimeError)(f"on rank 0: {message}")
+            raise (ValueError if is_value_error else RuntimeError)(f"on rank {src}: {message}")
         return box[0]
 
     def _global(self, dp_rank: int) -> int:

@@ -28,6 +28,20 @@ def pipeline_state(model):
     return getattr(model, "pp_state", None)
 
 
+def holds_lm_head(model) -> bool:
+    """Whether this rank runs the LM head: every rank without pipeline parallelism, the last stage's (each of its
+    TP ranks, a ``[V / tp, H]`` shard of the same shape on each, in every DP rank) under it."""
+    state = pipeline_state(model)
+    return state is None or state.pp_rank == state.pp - 1
+
+
+def lm_head_leader(model) -> int:
+    """The global rank of the first of the ranks that run the LM head (``holds_lm_head``): rank 0, or under
+    pipeline parallelism DP and TP rank 0 of the last stage."""
+    state = pipeline_state(model)
+    return 0 if state is None else int(state.mesh.mesh[state.pp - 1, 0, 0])
+
+
 def padded_stream(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, cu_seqlens)`` of ``batch`` padded to the model's token multiple (FP8 alignment, TP under SP)
     by extending its last sequence: causal attention keeps real tokens blind to the padding; cut the padded rows

@@ -318,9 +318,8 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
     began = time.perf_counter()
     sft_only = config.algo.loss_type == "sft"
     compile_clock, startup = None, {}
-    # CPU: PyTorch kernels, no Triton; TP/PP: the warm-up's synthetic passes and engine batches assume one whole
-    # model and an engine on every rank, so a model-parallel run compiles in its first step
-    if state.worker.device.type == "cuda" and not sft_only and warmup_enabled() and not dp.model_parallel:
+    # CPU: PyTorch kernels, no Triton; under TP/PP every rank warms up (the synthetic passes are collectives)
+    if state.worker.device.type == "cuda" and not sft_only and warmup_enabled():
         compile_clock = CompileClock().install()
         state.on_phase = compile_clock.tracking(state.on_phase)  # a step's compilations named with their phase
         startup = warm_up(state, console, compile_clock, version=str(start))  # the engine's weights: start's

@@ -3,14 +3,21 @@
 Two kinds of first-call cost (measured on an H100 before this warm-up: step 1's train phase 8.5–10.3 s against
 0.55–0.73 s steady, and a 5.6 s stall at step 6 when new shapes arrived):
   * autotuning — the LM head's Triton GEMMs time their configs once per tuning key (``redline.kernels.
-    lm_head_tuning``). Rank 0 tunes every key the run can reach, persists the choices (``redline.kernels.
-    tuning_table``, printed at start-up) and hands them to the other data-parallel ranks, which seed their
-    autotuners with them: every rank runs the same configs and none waits in a step on another's tuning;
+    lm_head_tuning``). The first rank that runs the LM head (rank 0; under pipeline parallelism DP and TP rank 0
+    of the last stage, which owns the head: ``model_parallel.lm_head_leader``) tunes every key the run can reach,
+    persists the choices (``redline.kernels.tuning_table``, printed at start-up) and hands them to the other
+    ranks; each one that runs the LM head (every DP rank's, every TP rank's: a vocab shard has the same shape on
+    each) seeds its autotuners with them, an earlier pipeline stage skips the head. Every rank runs the same
+    configs and none waits in a step on another's tuning;
   * JIT compilation — each ``@triton.jit`` kernel (LM-head epilogues, policy loss, scale, RMSNorm, SwiGLU)
     compiles once per specialization of its integer arguments. The trainer runs the step's own calls — the
     log-prob pass, the policy loss forward and backward — on synthetic micro-batches of ``warmup_row_counts`` sizes
     (every power-of-two bucket up to the largest micro-batch, in each integer class). Gradients are dropped and no
-    optimizer step is taken. The rollout engine then generates two tokens for each ``prefill_shapes`` batch, so
+    optimizer step is taken. Under TP/SP/PP these are the step's parallel calls on every rank of the group (the
+    vocab-parallel head over the TP group, SP's padded streams, the log-prob pass stage to stage and a 1F1B
+    forward/backward), so each stage compiles its own layers at the shapes the step gives them (SP: ``T / tp``
+    rows between stages) rather than on hidden states made up per stage. The rollout engine, on the ranks that
+    hold one (under TP/PP the group's leader), then generates two tokens for each ``prefill_shapes`` batch, so
     the engine's own specializations (RMSNorm over a prefill's ``[prompts, width, H]`` and a decode step's
     ``[rows, 1, H]``, the decode attention) compile here rather than in step 1's rollout (H100, 1.7B example, empty
     caches, before this: step 1 compiled 3 kernels in 1.0 s and its rollout took 3.3 s against 1.0–1.3 s).
@@ -29,6 +36,8 @@ import torch
 
 from redline.kernels.tuning_buckets import prefill_shapes, warmup_row_counts
 from redline.loop.batching import MicroBatch
+from redline.loop.gradients import weighted_backward
+from redline.loop.model_parallel import holds_lm_head, lm_head_leader
 from redline.loop.rollout_setup import engine_rows
 from redline.loop.step import reuses_old_logp
 from redline.loop.train_offload import ensure_resident
@@ -99,8 +108,7 @@ class CompileClock:
 
 
 def synthetic_batch(n_tokens: int, vocab: int, generator: torch.Generator, with_ref: bool) -> MicroBatch:
-    """A packed micro-batch of ``n_tokens`` token ids below ``vocab`` (this rank's vocab shard: valid ids of the
-    whole vocabulary too) in ``SEQUENCE``-token sequences, every position but each sequence's first in the loss,
+    """A packed micro-batch of ``n_tokens`` token ids below ``vocab`` in ``SEQUENCE``-token sequences, every position but each sequence's first in the loss,
     with the per-token values a policy loss reads."""
     lengths = [min(SEQUENCE, n_tokens - s) for s in range(0, n_tokens, SEQUENCE)]
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -122,30 +130,35 @@ def max_micro_batch_tokens(config) -> int:
 
 
 def tune_lm_head(state, console) -> dict[str, float]:
-    """Tune (rank 0) and share the LM-head GEMM choices; every rank then compiles them. Returns start-up metrics."""
+    """Tune the LM-head GEMM choices once, on the first rank that runs the LM head (``lm_head_leader``: rank 0, or
+    the last pipeline stage's first rank), and hand them to every rank; each other rank that runs the LM head seeds
+    its autotuners with them and compiles them, a rank without it (an earlier pipeline stage) skips both. Returns
+    start-up metrics, the same on every rank."""
     from redline.kernels import lm_head_tuning, tuning_table
 
     worker, dp = state.worker, state.dp
-    weight = worker.model.lm_head_weight().detach()
-    device = weight.device
-    fp = tuning_table.current_fingerprint(device)
-    path = tuning_table.table_path(fp)
-    shapes = lm_head_tuning.reachable(max_micro_batch_tokens(state.config), weight.shape[0], weight.shape[1],
-                                      weight.dtype, torch.cuda.get_device_capability(device))
-    blocks = sum(len(b) for keys in shapes.values() for b in keys.values())
+    runs_head = holds_lm_head(worker.model)
+    if runs_head:
+        weight = worker.model.lm_head_weight().detach()  # this rank's vocab shard: the same shape on each TP rank
+        shapes = lm_head_tuning.reachable(max_micro_batch_tokens(state.config), weight.shape[0], weight.shape[1],
+                                          weight.dtype, torch.cuda.get_device_capability(weight.device))
 
-    def tune_on_main():
+    def tune_on_leader():
+        fp = tuning_table.current_fingerprint(weight.device)
+        path = tuning_table.table_path(fp)
         loaded = tuning_table.apply(lm_head_tuning.AUTOTUNED, tuning_table.load(path, fp))
-        console.print(f"kernel tuning table: {path} ({loaded} choices loaded; {blocks} LM-head GEMM shapes to "
-                      f"check)", highlight=False)
         lm_head_tuning.tune(weight, shapes, lambda done, total, text: state.on_phase(
             f"kernel warm-up: tuning LM-head GEMM shape {done + 1}/{total} ({text})"))
         entries = tuning_table.harvest(lm_head_tuning.AUTOTUNED)
         tuning_table.save(path, fp, entries)
-        return entries, len(entries) - loaded
+        blocks = sum(len(b) for keys in shapes.values() for b in keys.values())
+        return entries, len(entries) - loaded, (f"kernel tuning table: {path} ({loaded} choices loaded; {blocks} "
+                                                f"LM-head GEMM shapes checked)")
 
-    entries, tuned = dp.from_main(tune_on_main)
-    if not dp.is_main:  # rank 0's choices, then this rank's own compilations of them (no timing)
+    leader = lm_head_leader(worker.model)
+    entries, tuned, line = dp.from_rank(tune_on_leader, leader)  # rank 0 prints, whichever rank tuned
+    console.print(line, highlight=False)
+    if runs_head and dp.process_rank != leader:  # the leader's choices, then this rank's compilations (no timing)
         tuning_table.apply(lm_head_tuning.AUTOTUNED, entries)
         lm_head_tuning.tune(weight, shapes)
     return {"perf/startup_tuned_keys": float(tuned)}
@@ -153,20 +166,28 @@ def tune_lm_head(state, console) -> dict[str, float]:
 
 def compile_step_kernels(state) -> int:
     """Run the step's log-prob and train calls on synthetic micro-batches of every ``warmup_row_counts`` size;
-    gradients dropped, weights untouched; each size is announced to ``state.on_phase`` (the live progress
-    display). Returns the number of sizes run."""
+    gradients dropped, weights and optimizer state untouched; each size is announced to ``state.on_phase`` (the
+    live progress display). The calls are the step's own under TP/SP/PP too: the log-prob pass stage to stage
+    (``last_stage_outputs``), the policy loss forward + backward through ``weighted_backward`` (the 1F1B schedule
+    under PP), the LM head vocab-parallel over the TP group, SP's padding. Every rank of a model-parallel group
+    must call it (its passes are collectives); the batches are the same on each (a fixed seed, the whole vocab).
+    Returns the number of sizes run."""
     worker, loss_cfg, cfg = state.worker, state.loss_cfg, state.config
     reuse_old = reuses_old_logp(state)  # the loss path the step takes, so the step compiles nothing new
     counts = warmup_row_counts(max_micro_batch_tokens(cfg))
     generator = torch.Generator().manual_seed(0)  # the run's own random streams stay untouched
-    vocab = worker.model.lm_head_weight().shape[0]
+    vocab = worker.model.spec.vocab_size  # every rank's, with or without the LM head or a vocab shard
+
+    def loss_fn(batch, **forward):  # forward: hidden= from the pipeline schedule under PP
+        return worker.policy_loss(batch, loss_cfg, reuse_old_logp=reuse_old, **forward)
+
     for i, n in enumerate(counts):
         state.on_phase(f"kernel warm-up: micro-batch {i + 1}/{len(counts)} ({n} tokens)")
         batch = synthetic_batch(n, vocab, generator, with_ref=loss_cfg.kl_coef > 0)
         worker.logprobs(batch)
         worker.model.train()
-        loss, _ = worker.policy_loss(batch.to(worker.device), loss_cfg, reuse_old_logp=reuse_old)
-        (loss * 0.5).backward()  # an upstream gradient other than 1, as a weighted micro-batch has
+        # a weight other than 1, as a weighted micro-batch has
+        weighted_backward(worker.model, [batch], [0.5], loss_fn, device=worker.device)
         worker.optimizer.zero_grad(set_to_none=True)
     if hasattr(worker.optimizer, "warm_up"):  # the mixed-precision update's kernel (the critic's is the same)
         worker.optimizer.warm_up()
@@ -213,9 +234,9 @@ def warm_up(state, console, clock: CompileClock, version: str) -> dict[str, floa
                   f"engine's", highlight=False)
     metrics = tune_lm_head(state, console)
     sizes = compile_step_kernels(state)
-    if offload:
+    if offload:  # every rank of a model-parallel group takes part in the push
         state.loop.run_until_complete(state.weight_sync.push(version))
-    batches = warm_engine(state)
+    batches = warm_engine(state) if state.dp.holds_engine else 0  # under TP/PP its group's leader's engine
     paid = clock.take()
     metrics.update({"perf/startup_compile_time": time.perf_counter() - began,
                     "perf/startup_compile_count": paid["perf/compile_count"]})
