@@ -8,9 +8,11 @@
 2. per shape (a built-in model with that Qwen3 config and random bf16 weights, made once in OUTDIR/models/
    or ``--models``), ``redline train examples/qwen3_1p7b_breakdown.toml`` colocated with the in-process embedded engine,
    ``--backend bf16 --offload-rollout`` (fp32 master weights and AdamW moments on the GPU; the 4B shape with
-   ``--recompute full --max-tokens-per-gpu 4096``), ``--steps`` RL steps each, with ``--no-offload-train`` and
-   with ``--offload-train``; a run that does not fit (the 4B trainer's 72 GB of state beside the engine) is
-   reported as such, with its last error line;
+   ``--optimizer-cpu-offload --recompute full --max-tokens-per-gpu 4096``: its 72 GB of state on the GPU did not
+   fit beside the engine on 80 GB, so its masters and moments live in pinned host memory in both modes and
+   ``--offload-train`` pauses the compute weights and gradients), ``--steps`` RL steps each, with
+   ``--no-offload-train`` and with ``--offload-train``; a run that fails or passes ``--run-timeout`` is reported
+   as such, with its last error line;
 3. writes OUTDIR/<shape>-<mode>/ (metrics.jsonl, report.md with the phase plot), OUTDIR/<shape>-<mode>.log,
    OUTDIR/summary.md and OUTDIR/summary.json: per run the medians over the steps after the first of every
    phase of the colocated transition (release → resume train → … → pause train → resume engine weights →
@@ -18,7 +20,10 @@
    ``perf/kv_headroom_bytes`` (free GPU memory as the engine takes its KV cache back: what an engine that
    sizes its cache by free memory, as SGLang does, would get), the embedded engine's KV cache (its rows ×
    slots, fixed by the config), and the transition against the sync alone (the issue's target with SGLang:
-   ≤ 2× the sync).
+   ≤ 2× the sync); then the plan's cost group by group: each group's bytes (the start-up plan table of the
+   run's log) and its measured pause (``perf/pause_train_<group>_time``), and the resume's two parts (mapping
+   back with the kept contents copied in, the compute weights' rebuild). OUTDIR/summary.* are rewritten after
+   every run, so a call cut short keeps what it finished.
 
 The kernel warm-up is off (``REDLINE_KERNEL_WARMUP=0``) to keep the runs short: step 1 pays the compilation and
 is left out of the medians. Each call adds its runs to OUTDIR/summary.md (one shape per call keeps each call
@@ -44,10 +49,15 @@ TRANSITION = ("perf/release_time", "perf/resume_train_time", "perf/pause_train_t
 TOTALS = ("perf/offload_rollout_time", "perf/update_weights_time", "perf/rollout_time", "perf/train_time",
           "perf/logprob_time", "perf/step_time")
 BYTES = ("perf/trainer_paused_bytes", "perf/kv_headroom_bytes")
-RUN_TIMEOUT_S = 900
-# the 4B trainer's state alone is 72 GB (bf16 weights, fp32 grads, masters, two moments): its activations must be
-# small to train at all on an 80 GB GPU
-SHAPE_FLAGS = {"qwen3-4b": ["--recompute", "full", "--max-tokens-per-gpu", "4096"]}
+# the plan's cost (redline.loop.train_offload.TrainOffload.timings): each group's pause, the resume's two parts
+GROUPS = ("perf/pause_train_grads_time", "perf/pause_train_masters_time", "perf/pause_train_moments_time",
+          "perf/pause_train_compute_time", "perf/pause_train_cache_time", "perf/resume_train_map_time",
+          "perf/resume_train_rebuild_time")
+PLAN_TITLE = "--offload-train, while the engine generates:"  # the start-up plan table's heading in a run's log
+# the 4B trainer's state is 72 GB (bf16 weights, fp32 grads, masters, two moments): on an 80 GB GPU beside the
+# engine both modes ran out of memory at start-up, so its masters and moments go to pinned host memory, and its
+# activations are kept small
+SHAPE_FLAGS = {"qwen3-4b": ["--optimizer-cpu-offload", "--recompute", "full", "--max-tokens-per-gpu", "4096"]}
 
 
 def build_native(out: Path) -> dict[str, str]:
@@ -79,8 +89,10 @@ def make_model(folder: Path, name: str) -> None:
     subprocess.run([sys.executable, "-c", code, str(folder), name], check=True)
 
 
-def train(out: Path, run: str, config: str, model: Path, steps: int, flags: list[str], env: dict[str, str]) -> dict:
-    """One ``redline train``; returns ``{"ok": bool, "error": last error line, "flags": [...]}``."""
+def train(out: Path, run: str, config: str, model: Path, steps: int, flags: list[str], env: dict[str, str],
+          timeout_s: float) -> dict:
+    """One ``redline train`` (killed after ``timeout_s``); returns ``{"ok": bool, "error": last error line,
+    "flags": [...], "plan": the start-up plan table's lines}``."""
     command = [sys.executable, "-m", "redline.cli", "train", config, "--hf-checkpoint", str(model),
                "--backend", "bf16", "--num-rollout", str(steps), "--offload-rollout", *flags,
                "--output-dir", str(out / run), "--overwrite"]
@@ -88,14 +100,23 @@ def train(out: Path, run: str, config: str, model: Path, steps: int, flags: list
     print(f"{run}: {' '.join(command[2:])}", flush=True)
     with log.open("w") as sink:
         try:
-            code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, check=False,
+            code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s, check=False,
                                   env={**os.environ, "COLUMNS": "200", "REDLINE_KERNEL_WARMUP": "0", **env}).returncode
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {RUN_TIMEOUT_S} s", "flags": flags}
+            code = None
     lines = log.read_text(errors="replace").splitlines()
     errors = [line for line in lines if "error" in line.lower() or "Error" in line]
-    return {"ok": code == 0, "error": "" if code == 0 else (errors[-1] if errors else f"exit status {code}"),
-            "flags": flags}
+    error = (f"timed out after {timeout_s:.0f} s" if code is None else ""
+             if code == 0 else (errors[-1] if errors else f"exit status {code}"))
+    return {"ok": code == 0, "error": error, "flags": flags, "plan": plan_table(lines)}
+
+
+def plan_table(lines: list[str]) -> list[str]:
+    """The start-up plan table (markdown rows after ``PLAN_TITLE``) of a run's log; [] without one."""
+    if PLAN_TITLE not in lines:
+        return []
+    rows = lines[lines.index(PLAN_TITLE) + 1:]
+    return rows[:next((i for i, row in enumerate(rows) if not row.startswith("|")), len(rows))]
 
 
 def kv_cache_bytes(config_path: str, model: Path) -> int:
@@ -119,7 +140,7 @@ def medians(run_dir: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows = [r for r in rows if "perf/update_weights_time" in r]
     steady = rows[1:] or rows
-    out = {key: statistics.median(r[key] for r in steady) for key in TRANSITION + TOTALS + BYTES
+    out = {key: statistics.median(r[key] for r in steady) for key in TRANSITION + TOTALS + BYTES + GROUPS
            if steady and all(key in r for r in steady)}
     out["steps"] = len(rows)
     return out
@@ -154,6 +175,16 @@ def summary(out: Path, results: dict) -> str:
         lines.append(f"| {run} `{' '.join(result['flags'])}` | {ok} | " + " | ".join(cells)
                      + f" | {ms(transition)} | {ratio} | {gib(m.get('perf/trainer_paused_bytes'))} | {gib(m.get('perf/kv_headroom_bytes'))} | "
                      f"{gib(result['kv_cache_bytes'])} | {step} |")
+    lines += ["", "The plan's cost, group by group (medians, ms): each group's pause (its copies to pinned host "
+              "waited for), the caching allocator's empty_cache, and the resume's two parts.", "",
+              "| run | " + " | ".join(k.removeprefix("perf/").removesuffix("_time") for k in GROUPS) + " |",
+              "| --- |" + " ---: |" * len(GROUPS)]
+    for run, result in results.items():
+        if result.get("plan"):
+            lines.append(f"| {run} | " + " | ".join(ms(result["medians"].get(k)) for k in GROUPS) + " |")
+    for run, result in results.items():
+        if result.get("plan"):
+            lines += ["", f"{run}: the plan (start-up line of its log)", "", *result["plan"]]
     lines += ["", ("Per-step values: OUTDIR/<run>/metrics.jsonl; the phase plot: OUTDIR/<run>/phase_times.png; the "
                    "memory table of the training state and the offload plan: OUTDIR/<run>.log.")]
     text = "\n".join(lines) + "\n"
@@ -171,6 +202,7 @@ def main() -> int:
     parser.add_argument("--models", type=Path, default=None,
                         help="where the built-in models are made (default OUTDIR/models; 3.4 GB and 8 GB)")
     parser.add_argument("--extra", default="", help="more `redline train` flags for every run, one string")
+    parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is killed")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -183,9 +215,10 @@ def main() -> int:
         for mode, flag in MODES.items():
             run = f"{shape}-{mode}"
             flags = [flag, *SHAPE_FLAGS.get(shape, []), *args.extra.split()]
-            result = train(out, run, args.config, model, args.steps, flags, env)
+            result = train(out, run, args.config, model, args.steps, flags, env, args.run_timeout)
             result.update(medians=medians(out / run), kv_cache_bytes=kv_cache_bytes(args.config, model))
             results[run] = result
+            summary(out, results)
     print(summary(out, results))
     return 0 if any(results[f"{shape}-{mode}"]["ok"] for shape in args.shapes.split(",") for mode in MODES) else 1
 

@@ -26,3 +26,35 @@ def test_the_acceptance_script_runs_both_modes_and_summarises_them(tmp_path):
         assert not offload["ok"] and "--offload-train" in offload["error"] and "CUDA GPU" in offload["error"]
     summary = (out / "summary.md").read_text()
     assert "| tiny-no-offload-train `--no-offload-train` | yes |" in summary
+
+
+def acceptance_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("offload_train_acceptance",
+                                                  ROOT / "benchmarks" / "offload_train_acceptance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_summary_lists_each_groups_bytes_and_measured_pause_and_resume(tmp_path):
+    acceptance = acceptance_module()
+    log = ["training state (this rank):", acceptance.PLAN_TITLE,
+           "| state | while the engine generates | released on the GPU | pinned host |",
+           "| --- | --- | ---: | ---: |",
+           "| master weights (fp32) | kept in pinned host memory | 6.41 GiB | 6.41 GiB |",
+           "| all | | 6.41 GiB | 6.41 GiB |", "GPU telemetry: NVML every 0.1 s on cuda:0 (perf/gpu_*)"]
+    plan = acceptance.plan_table(log)
+    assert plan == log[2:6] and acceptance.plan_table(log[:1]) == []
+    medians = {"perf/pause_train_masters_time": 0.25, "perf/resume_train_map_time": 0.5}
+    results = {"s-offload-train": {"ok": True, "error": "", "flags": ["--offload-train"], "plan": plan,
+                                   "medians": medians, "kv_cache_bytes": 0}}
+    text = acceptance.summary(tmp_path, results)
+    assert "| s-offload-train | – | 250.0 | – | – | – | 500.0 | – |" in text
+    assert "| master weights (fp32) | kept in pinned host memory | 6.41 GiB | 6.41 GiB |" in text
+
+
+def test_the_4b_shape_keeps_its_optimizer_state_in_pinned_host_memory_in_both_modes():
+    assert "--optimizer-cpu-offload" in acceptance_module().SHAPE_FLAGS["qwen3-4b"]
+    assert "qwen3-1.7b" not in acceptance_module().SHAPE_FLAGS
