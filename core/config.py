@@ -174,6 +174,12 @@ class TrainConfig:
     clip_grad: float = option(1.0, "gradient-norm clip (0: off)")
     optimizer_cpu_offload: bool = option(False, "keep the fp32 master weights and Adam moments in pinned host "
                                          "memory; each step streams them through the GPU in chunks")
+    offload_train: bool | None = option(None, "colocated: keep the compute weights, gradients, fp32 master weights "
+                                        "and Adam moments in pausable GPU memory, released while the engine "
+                                        "generates (gradients and compute weights rebuilt, the rest kept in "
+                                        "pinned host memory) and restored before the log-probs; needs a CUDA GPU "
+                                        "and redline's native library (default: on with a colocated SGLang "
+                                        "engine, else off)")
     max_bad_steps: int = option(3, "stop after this many NaN/inf steps")
     sft_steps: int = option(0, "SFT warm-up optimizer steps before RL")
     sft_lr: float | None = option(None, "learning rate of the SFT warm-up (defaults to lr)")
@@ -191,12 +197,6 @@ class SyncConfig:
     check_weights: bool = option(False, "check every row of every weight-sync bucket on every push (default: "
                                  "every 16th row); with SGLang servers (--no-colocate) it also turns on "
                                  "--check-sglang-weights")
-    offload_train: bool | None = option(None, "colocated: keep the compute weights, gradients, fp32 master weights "
-                                        "and Adam moments in pausable GPU memory, released while the engine "
-                                        "generates (gradients and compute weights rebuilt, the rest kept in "
-                                        "pinned host memory) and restored before the log-probs; needs a CUDA GPU "
-                                        "and redline's native library (default: on with a colocated SGLang "
-                                        "engine, else off)")
     check_sglang_weights: bool = option(False, "--no-colocate with SGLang servers: after each push, compare the "
                                         "servers' /weights_checker hashes of their parameters with the sent "
                                         "tensors (a mismatch stops the run); a colocated SGLang push is always "
