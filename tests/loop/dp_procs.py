@@ -20,9 +20,12 @@ def exchange_worker(rank, store, results):
         dist.destroy_process_group()
 
 
-def warmup_tuning_worker(rank, store, cache_dir, results):
-    """Two gloo ranks run the warm-up's LM-head tuning with the GPU parts stood in for: ``results[rank]`` gets
-    ``(keys this rank timed, the autotuner cache it held when it compiled, its metrics)``."""
+def warmup_tuning_worker(rank, store, cache_dir, results, tp=1, pp=1, dp=2):
+    """``tp × pp × dp`` gloo ranks (the run's mesh, as under torchrun) run the warm-up's LM-head tuning with the GPU
+    parts stood in for: ``results[rank]`` gets ``timed`` (keys this rank timed), ``seen`` (the autotuner cache it
+    held each time it compiled), ``holds`` (its autotuner cache at the end), ``metrics``, ``read_head`` (whether it
+    read the LM-head weight) and ``printed`` (its console output)."""
+    import io
     import os
     from types import SimpleNamespace
 
@@ -30,15 +33,18 @@ def warmup_tuning_worker(rank, store, cache_dir, results):
 
     from redline.kernels import lm_head_tuning, tuning_table
     from redline.loop import warmup
+    from redline.loop.data_parallel import model_parallel_group
+    from redline.trainer.parallel import ParallelConfig
 
     os.environ["REDLINE_CACHE_DIR"] = cache_dir
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp * pp * dp)
     try:
+        state = ParallelConfig(tp=tp, pp=pp, dp=dp).build("cpu")
         fp = tuning_table.Fingerprint(device="NVIDIA H100 80GB HBM3", capability=(9, 0), driver="570",
                                       cuda="13.0", triton="3.6.0", torch="2.11.0", redline="0.1.0")
         kernel = lm_head_tuning.AUTOTUNED["gemm_dz"]
         kernel.cache.clear()
-        timed, seen = [], []
+        timed, seen, reads = [], [], []
         key = (32768, 8192, 2048, "torch.int64", "torch.float32")
 
         def tune(weight, shapes, progress=None):  # what the autotuner does on a GPU: time unknown keys, compile
@@ -52,13 +58,20 @@ def warmup_tuning_worker(rank, store, cache_dir, results):
         torch.cuda.get_device_capability = lambda device=None: (9, 0)
         lm_head_tuning.reachable = lambda *args: {"gemm_dz": {(32768, 8192): [(18550, 4480)]}}
         lm_head_tuning.tune = tune
-        model = SimpleNamespace(lm_head_weight=lambda: torch.zeros(8, 4))
+        # a pipeline stage's model carries its ParallelState as pp_state (trainer.parallel.split_stage)
+        model = SimpleNamespace(lm_head_weight=lambda: reads.append(True) or torch.zeros(8, 4),
+                                pp_state=state if pp > 1 else None)
         config = SimpleNamespace(train=SimpleNamespace(max_tokens_per_gpu=32768),
                                  data=SimpleNamespace(rollout_max_prompt_len=None),
                                  rollout=SimpleNamespace(rollout_max_response_len=8))
-        state = SimpleNamespace(worker=SimpleNamespace(model=model), dp=DataParallel(rank=rank, world=2),
-                                config=config, on_phase=lambda name: None)
-        metrics = warmup.tune_lm_head(state, Console(quiet=True))
-        results[rank] = (timed, [{str(k): str(v) for k, v in c.items()} for c in seen], metrics)
+        group = DataParallel(rank=state.dp_rank, world=dp, state=state,
+                             mp_group=model_parallel_group(state) if tp * pp > 1 else None)
+        run = SimpleNamespace(worker=SimpleNamespace(model=model), dp=group, config=config,
+                              on_phase=lambda name: None)
+        out = io.StringIO()
+        metrics = warmup.tune_lm_head(run, Console(file=out, width=300))
+        readable = lambda cache: {str(k): str(v) for k, v in cache.items()}  # noqa: E731
+        results[rank] = {"timed": timed, "seen": [readable(c) for c in seen], "holds": readable(kernel.cache),
+                         "metrics": metrics, "read_head": bool(reads), "printed": out.getvalue()}
     finally:
         dist.destroy_process_group()

@@ -236,25 +236,65 @@ def test_warm_up_tunes_on_rank_0_saves_the_table_and_trains_with_the_engine_memo
     assert metrics["perf/startup_compile_time"] > 0 and metrics["perf/startup_tuned_keys"] == 0
 
 
-def test_rank_0_tunes_and_the_other_ranks_compile_its_choices_without_timing(tmp_path):
-    """Data parallelism: rank 0 times the key and writes the table; rank 1 holds rank 0's choice before it compiles,
-    so it times nothing and runs the same config."""
+def _tuning_ranks(tmp_path, tp, pp, dp):
+    """Every rank's record of ``dp_procs.warmup_tuning_worker`` over a ``tp × pp × dp`` gloo mesh."""
     import torch.multiprocessing as mp
 
-    from redline.kernels import tuning_table
     from tests.loop.dp_procs import warmup_tuning_worker  # importable by the spawned ranks
 
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(warmup_tuning_worker, args=(str(tmp_path / "store"), str(tmp_path / "cache"), results), nprocs=2,
-                 join=True)
-        results = dict(results)
-    (timed0, seen0, metrics0), (timed1, seen1, metrics1) = results[0], results[1]
-    assert len(timed0) == 1 and timed1 == []
-    assert seen0 == [{}] and len(seen1) == 1 and list(seen1[0]) == [str(tuple(timed0[0]))]
-    assert metrics0 == metrics1 == {"perf/startup_tuned_keys": 1.0}
+        mp.spawn(warmup_tuning_worker, args=(str(tmp_path / "store"), str(tmp_path / "cache"), results, tp, pp, dp),
+                 nprocs=tp * pp * dp, join=True)
+        return dict(results)
+
+
+def _one_table(tmp_path):
+    from redline.kernels import tuning_table
+
     tables = list((tmp_path / "cache" / "autotune").iterdir())
-    assert len(tables) == 1 and len(tuning_table.load(tables[0], _fingerprint())) == 1
+    assert len(tables) == 1
+    return tables[0], tuning_table.load(tables[0], _fingerprint())
+
+
+def test_rank_0_tunes_and_the_other_ranks_compile_its_choices_without_timing(tmp_path):
+    """Data parallelism: rank 0 times the key and writes the table; rank 1 holds rank 0's choice before it compiles,
+    so it times nothing and runs the same config."""
+    results = _tuning_ranks(tmp_path, tp=1, pp=1, dp=2)
+    first, second = results[0], results[1]
+    assert len(first["timed"]) == 1 and second["timed"] == []
+    assert first["seen"] == [{}] and list(first["holds"]) == [str(tuple(first["timed"][0]))]
+    assert second["seen"] == [first["holds"]] and second["holds"] == first["holds"]
+    assert first["metrics"] == second["metrics"] == {"perf/startup_tuned_keys": 1.0}
+    path, entries = _one_table(tmp_path)
+    assert len(entries) == 1 and f"kernel tuning table: {path}" in first["printed"]
+
+
+# (tp, pp, dp): TP ranks of the last stage, DP ranks of the last stage
+@pytest.mark.parametrize("layout", [(2, 2, 1), (1, 2, 2)], ids=["tp2-pp2", "pp2-dp2"])
+def test_under_pipeline_parallelism_the_last_stage_tunes_once_and_every_head_rank_takes_its_choices(tmp_path,
+                                                                                                    layout):
+    """4 gloo ranks (the run's mesh, TP fastest, then DP, then PP): the last stage owns the LM head, so its first
+    rank (DP and TP rank 0 of the last stage) alone times the key and writes the table; the last stage's other
+    ranks hold its choice before they compile it; the first stage never reads the head nor compiles; every rank
+    reports the same metrics and prints the table's line (rank 0's console is the one a run shows)."""
+    tp, pp, dp = layout
+    results = _tuning_ranks(tmp_path, tp, pp, dp)
+    last_stage = set(range((pp - 1) * dp * tp, pp * dp * tp))  # ranks are pp-major in the mesh
+    leader = min(last_stage)
+    assert leader == 2 and last_stage == {2, 3}
+    chosen = results[leader]["holds"]
+    assert len(results[leader]["timed"]) == 1 and results[leader]["seen"] == [{}]
+    assert list(chosen) == [str(tuple(results[leader]["timed"][0]))]
+    for rank, record in results.items():
+        assert record["metrics"] == {"perf/startup_tuned_keys": 1.0}, rank
+        assert record["read_head"] == (rank in last_stage), rank
+        if rank in last_stage - {leader}:  # the leader's choice held before compiling: nothing timed
+            assert record["timed"] == [] and record["seen"] == [chosen] and record["holds"] == chosen, rank
+        elif rank not in last_stage:
+            assert record["timed"] == record["seen"] == [] and record["holds"] == {}, rank
+    path, entries = _one_table(tmp_path)
+    assert len(entries) == 1 and f"kernel tuning table: {path}" in results[0]["printed"]
 
 
 def _fingerprint():
