@@ -74,7 +74,7 @@ def run_on_ray(config, config_path=None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if started_here:
         ray.init(address=address, include_dashboard=False, logging_level="WARNING",
-                 **({"num_cpus": _local_cpus(config)} if address == "local" else {}))
+                 **(_local_runtime(config) if address == "local" else {}))
     group = None
     try:
         from redline.loop import ray_placement
@@ -111,9 +111,15 @@ def group_size(config) -> tuple[int, int]:
     return world, world + (0 if p.colocate else p.rollout_num_gpus)
 
 
-def _local_cpus(config) -> int:
-    """``local`` on a CPU machine: at least one CPU per trainer rank, so the placement group fits."""
-    return max(os.cpu_count() or 1, group_size(config)[1])
+def _local_runtime(config) -> dict:
+    """``ray.init`` arguments of the runtime ``local`` starts: at least one CPU per bundle, so the placement group
+    fits on a CPU machine; and the ranks at the driver's priority. Ray starts its workers at niceness 15
+    (``worker_niceness``), below its own daemons and every other process of the machine, which costs the
+    host-bound step whenever anything else wants a core (benchmarks/results/loop/ray-cpu/README.md); a cluster
+    started by ``ray start`` sets it there (``RAY_worker_niceness=0 ray start ...``), and so does the
+    environment here."""
+    system = {} if "RAY_worker_niceness" in os.environ else {"worker_niceness": 0}
+    return {"num_cpus": max(os.cpu_count() or 1, group_size(config)[1]), "_system_config": system}
 
 
 def _fixed_output_dir(config) -> str:

@@ -1,8 +1,9 @@
 """Engines behind health checks: a dead or hung engine is found, replaced and caught up; no request is lost.
 
 ``FaultTolerantEngine`` implements ``redline.rollout.engine.Engine`` over ``count`` engines made by ``start()``,
-engines in processes of their own (they have ``kill()``: ``EmbeddedEngineProcess``). Each ``generate`` call goes to
-the next healthy engine in turn. A health monitor, a task on the run's event loop (it checks while the loop runs:
+engines in processes of their own (``EmbeddedEngineProcess``): their ``kill()`` ends the process without asking it
+and fails every call still waiting for an answer. Each ``generate`` call goes to the next healthy engine in turn.
+A health monitor, a task on the run's event loop (it checks while the loop runs:
 rollouts, evaluations, weight pushes), asks every engine ``health()`` each ``interval`` seconds, from
 ``first_wait`` seconds after the engine started. An engine that answers False, raises or stays silent for
 ``timeout`` seconds is killed and replaced:
@@ -14,7 +15,8 @@ rollouts, evaluations, weight pushes), asks every engine ``health()`` each ``int
    before any request reaches it (``restarts``).
 
 While no engine is healthy, calls wait for the replacement. ``replace_dead()`` checks at once (before a weight
-push: an engine may have died while the trainer trained and the loop was not running).
+push: an engine may have died while the trainer trained and the loop was not running); an engine that can tell
+without a request whether its process runs (``running()``) and answered within the interval is not asked.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 class _Slot:
     engine: object
     started: float = field(default_factory=time.monotonic)
+    answered: float = field(default_factory=time.monotonic)  # its last answer (a result or a passed health check)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while the engine may take requests
     died: asyncio.Event = field(default_factory=asyncio.Event)  # this incarnation's end (a new one per restart)
 
@@ -61,29 +64,26 @@ class FaultTolerantEngine:
         return [slot.engine for slot in self._slots]
 
     async def generate(self, requests):
+        # the engine's call awaited as it is, nothing beside it: a rollout makes one call per sample, and a task
+        # per call plus one waiting for the engine's death cost 3 to 4 times the engine calls' own event-loop time
+        # (benchmarks/results/loop/ray-cpu/README.md). A dead engine's calls end through ``kill()``.
         self._watch()
         while True:
             slot = await self._healthy_slot()
-            call = asyncio.ensure_future(slot.engine.generate(requests))
-            died = asyncio.ensure_future(slot.died.wait())
+            died = slot.died
             try:
-                await asyncio.wait({call, died}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                call.cancel()
-                raise
-            finally:
-                died.cancel()
-            if call.done() and not slot.died.is_set():
-                if call.exception() is None:
-                    self._after_result(slot)
-                    return call.result()
-                if await self._answers(slot):
-                    return call.result()  # the engine is fine: the error is the request's own
-                await self._replace(slot)
-            if call.done():
-                call.cancelled() or call.exception()  # the dead engine's answer, dropped (and marked as read)
+                result = await slot.engine.generate(requests)
+            except Exception:
+                if not died.is_set():
+                    if await self._answers(slot):
+                        raise  # the engine is fine: the error is the request's own
+                    await self._replace(slot)
             else:
-                call.cancel()
+                if not died.is_set():
+                    slot.answered = time.monotonic()
+                    self._after_result(slot)
+                    return result
+                # else an answer of an engine already declared dead: dropped, the retry answers the request once
             self.retried_requests += len(requests)
 
     def kill_after_first_result(self, index: int) -> None:
@@ -99,11 +99,20 @@ class FaultTolerantEngine:
                 "rollout/retried_requests": float(self.retried_requests - retried)}
 
     async def replace_dead(self) -> None:
-        """Check every engine now and replace the ones that do not answer."""
+        """Check every engine now and replace the ones that do not answer. An engine that answered within the
+        health-check interval and whose process still runs (``running()``, a look at the process: no request) is
+        not asked again: a round trip through its request queue before every weight push was a measurable part
+        of the push (benchmarks/results/loop/ray-cpu/README.md)."""
         for slot in self._slots:
-            if slot.ready.is_set() and not await self._answers(slot):
+            if not slot.ready.is_set() or self._answered_lately(slot):
+                continue
+            if not await self._answers(slot):
                 await self._replace(slot)
         self._raise_failure()
+
+    def _answered_lately(self, slot: _Slot) -> bool:
+        running = getattr(slot.engine, "running", None)
+        return running is not None and running() and time.monotonic() - slot.answered < self.interval
 
     def _after_result(self, slot: _Slot) -> None:
         if self._kill_armed is not None and self._slots[self._kill_armed] is slot:
@@ -143,9 +152,12 @@ class FaultTolerantEngine:
 
     async def _answers(self, slot: _Slot) -> bool:
         try:
-            return bool(await asyncio.wait_for(slot.engine.health(), self.timeout))
+            healthy = bool(await asyncio.wait_for(slot.engine.health(), self.timeout))
         except Exception:  # noqa: BLE001 - a health check that fails in any way is an unhealthy engine
             return False
+        if healthy:
+            slot.answered = time.monotonic()
+        return healthy
 
     async def _replace(self, slot: _Slot) -> None:
         if not slot.ready.is_set():

@@ -213,7 +213,11 @@ class EmbeddedEngineProcess:
         await self._call("resume")
 
     async def health(self) -> bool:
-        return self._process.is_alive() and not self._closed and await self._call("health")
+        return self.running() and await self._call("health")
+
+    def running(self) -> bool:
+        """Whether the process runs and is not shut down: a look at the process, no request (it may still hang)."""
+        return self._process.is_alive() and not self._closed
 
     @property
     def pid(self) -> int:

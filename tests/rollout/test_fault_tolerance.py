@@ -10,8 +10,9 @@ from redline.rollout.fault_tolerance import FaultTolerantEngine
 
 
 class StandIn:
-    """An engine process stand-in: answers each request with ``(name, request)``; ``die()`` makes it stop answering
-    (its calls hang, its health check fails), ``hang()`` makes it stop answering health checks too (no reply)."""
+    """An engine process stand-in: answers each request with ``(name, request)``; ``dead`` makes it stop answering
+    (its calls hang, its health check fails), ``hung`` makes it stop answering health checks too (no reply);
+    ``kill()`` fails the calls still waiting, as ``EmbeddedEngineProcess.kill`` does."""
 
     names = itertools.count()
 
@@ -21,12 +22,14 @@ class StandIn:
         self.weights = None
         self.served = []
         self.started = asyncio.Event()  # set once a request is being served (the test kills it then)
+        self.gone = asyncio.Event()  # set by kill()
 
     async def generate(self, requests):
         self.started.set()
         await asyncio.sleep(0.01)
-        while self.dead or self.hung:
-            await asyncio.sleep(3600)
+        if self.dead or self.hung:
+            await self.gone.wait()
+            raise RuntimeError(f"{self.name} was killed")
         self.served += requests
         return [(self.name, self.weights, r) for r in requests]
 
@@ -37,6 +40,7 @@ class StandIn:
 
     def kill(self):
         self.killed = True
+        self.gone.set()
 
     async def shutdown(self):
         pass
@@ -153,3 +157,43 @@ def test_a_killed_engine_process_fails_its_waiting_calls_and_reports_unhealthy(m
         return healthy
 
     assert asyncio.run(scenario()) is False
+
+
+class ProcessStandIn(StandIn):
+    """A stand-in that tells whether its process runs (``running()``) and counts its health checks."""
+
+    def __init__(self):
+        super().__init__()
+        self.exited = False
+        self.health_checks = 0
+
+    def running(self):
+        return not self.exited
+
+    async def health(self):
+        self.health_checks += 1
+        return await super().health()
+
+
+def test_before_a_push_only_an_engine_not_known_to_run_is_asked():
+    made = []
+
+    def start():
+        made.append(ProcessStandIn())
+        return made[-1]
+
+    async def scenario():
+        engines = FaultTolerantEngine(start, count=2, interval=3600, timeout=0.1)
+        engines.restore = lambda engine: asyncio.sleep(0)
+        await asyncio.gather(*(engines.generate([f"r{i}"]) for i in range(2)))  # both answered just now
+        await engines.replace_dead()
+        asked_while_running = [e.health_checks for e in made]
+        made[1].exited = made[1].dead = True  # its process is gone (a SIGKILL while the trainer trained)
+        await engines.replace_dead()
+        await engines.shutdown()
+        return engines, asked_while_running
+
+    engines, asked_while_running = asyncio.run(scenario())
+    assert asked_while_running == [0, 0]  # no round trip to engines that run and answered within the interval
+    assert made[1].health_checks == 1 and made[1].killed and engines.restarts == 1 and len(made) == 3
+    assert made[0].health_checks == 0
