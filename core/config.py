@@ -180,6 +180,11 @@ class TrainConfig:
                                         "pinned host memory) and restored before the log-probs; needs a CUDA GPU "
                                         "and redline's native library (default: on with a colocated SGLang "
                                         "engine, else off)")
+    offload_train_optimizer: Literal["host", "gpu"] = option(
+        "host", "--offload-train: where the fp32 master weights and Adam moments are while the engine generates: "
+        "host (copied to pinned host memory and back every step; their copies are most of the pause and resume) "
+        "or gpu (they stay resident: less memory for the engine, a transition of little more than the compute "
+        "weights' rebuild)")
     max_bad_steps: int = option(3, "stop after this many NaN/inf steps")
     sft_steps: int = option(0, "SFT warm-up optimizer steps before RL")
     sft_lr: float | None = option(None, "learning rate of the SFT warm-up (defaults to lr)")

@@ -110,14 +110,15 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
                         f"TP={dp.state.tp} × PP={dp.state.pp} trainer)")
     console.print(f"rollout engine: {engine_name}")
     if train_cfg.offload_train:  # the engine starts beside a paused trainer, as it generates beside one
+        train_offload(device).optimizer_resident = train_cfg.offload_train_optimizer == "gpu"
         train_offload(device).pause()
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if rollout.skipped_records:
         console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
                       f"(data/skipped_records)", markup=False, soft_wrap=True)
-    if dp.model_parallel and rollout.engine_seat is None:  # with a seat, WeightSync's per-rank SGLang push below
+    if dp.model_parallel:  # with a seat: every rank hands its engine TP rank each (bucket, stage) part
         weight_sync = ModelParallelWeightSync(
-            model, engine, dp, bucket_bytes=config.sync.update_weight_buffer_size,
+            model, engine, dp, seat=rollout.engine_seat, bucket_bytes=config.sync.update_weight_buffer_size,
             offload=config.sync.offload_rollout, device=device, check_weights=config.sync.check_weights,
             train_offload=train_offload(device) if train_cfg.offload_train else None)
     elif config.parallel.colocate:  # a watched engine (--use-fault-tolerance) gets a new WeightSync at each restart

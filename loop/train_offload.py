@@ -11,7 +11,14 @@ The plan (``OffloadPlan``, made at each pause from the buffers alive then) says 
 * compute weights: dropped and rebuilt from the fp32 master weights on resume (``MasterWeights.publish``: the
   optimizer writes the compute weights as the rounded masters, so the rebuild is bit-exact) when the masters
   are in this memory; with ``--optimizer-cpu-offload`` (masters in host memory) kept in pinned host memory;
-* master weights and Adam moments: to pinned host memory (made once, reused by every later pause).
+* master weights and Adam moments: to pinned host memory (made once, reused by every later pause), or with
+  ``--offload-train-optimizer gpu`` (``optimizer_resident``) they stay: their copies, 12 bytes a parameter each
+  way over PCIe (19.2 GiB at the Qwen3-1.7B shape: ~0.4–0.8 s a direction at 25–50 GB/s), are most of the
+  pause and resume, where unmapping the rest and rebuilding the compute weights take milliseconds. Keep them
+  where the engine fits beside them (the in-process embedded engine's fixed KV cache; SGLang with a smaller
+  ``--sglang-mem-fraction-static``); send them to the host where the engine's KV cache needs their memory. The
+  run's metrics time each group (``perf/pause_train_<group>_time``, ``perf/resume_train_map_time``,
+  ``perf/resume_train_rebuild_time``) and the start-up plan table gives its bytes: the plan's cost measured.
 
 When. The weight push reads the compute weights, so the pause has two stages (``redline.loop.weight_sync``):
 ``pause_state`` (everything but the compute weights, then ``torch.cuda.empty_cache`` for activations and
@@ -34,7 +41,8 @@ from redline.trainer.mixed_precision import MasterWeights
 
 ACTIONS = {"zeros": "dropped; zeros on resume",
            "rebuild": "dropped; rebuilt from the fp32 master weights on resume",
-           "host": "kept in pinned host memory"}
+           "host": "kept in pinned host memory",
+           "stay": "stays on the GPU (--offload-train-optimizer gpu)"}
 STATE, WEIGHTS = "state", "weights"  # the stages: before the engine resumes its weights, after the push
 
 
@@ -102,6 +110,7 @@ class TrainOffload:
         self.plan: OffloadPlan | None = None  # the plan of the pause in progress (None: resident)
         self.stage: str | None = None  # the last stage paused, None while resident
         self.cache_bytes = 0  # the caching allocator's reserved bytes after the state's pause (empty_cache)
+        self.optimizer_resident = False  # --offload-train-optimizer gpu: masters and moments stay on the GPU
         # seconds of the last pause (perf/pause_train_<key>_time per group, perf/pause_train_cache_time for
         # empty_cache) or the last resume (perf/resume_train_map_time: every allocation mapped back and the kept
         # contents copied in; perf/resume_train_rebuild_time: the compute weights rebuilt), measured around
@@ -142,15 +151,16 @@ class TrainOffload:
             if not m.offload:
                 masters += [g.master for g in m.groups]
         moments = [t for t in (ref() for ref in self._moments) if t is not None]
+        optimizer = "stay" if self.optimizer_resident else "host"
         specs = [("gradients (fp32 main grad)", "grads", "zeros", STATE, grads),
-                 ("master weights (fp32)", "masters", "host", STATE, masters),
-                 ("Adam moments (fp32)", "moments", "host", STATE, moments),
+                 ("master weights (fp32)", "masters", optimizer, STATE, masters),
+                 ("Adam moments (fp32)", "moments", optimizer, STATE, moments),
                  ("compute weights", "compute", "rebuild", WEIGHTS, compute["rebuild"]),
                  ("compute weights", "compute", "host", WEIGHTS, compute["host"])]
         return OffloadPlan(tuple(self._group(*spec) for spec in specs if spec[-1]))
 
     def _group(self, name: str, key: str, action: str, stage: str, tensors: list[torch.Tensor]) -> PlanGroup:
-        device = sum(self.memory.allocation_bytes(t) for t in tensors)
+        device = sum(self.memory.allocation_bytes(t) for t in tensors) if action != "stay" else 0
         host = sum(t.untyped_storage().nbytes() for t in tensors) if action == "host" else 0
         return PlanGroup(name, key, action, stage, tuple(tensors), device, host)
 
@@ -182,7 +192,7 @@ class TrainOffload:
     def _pause(self, groups: list[PlanGroup]) -> None:
         """Each group on its own (its copies to pinned host waited for), timed."""
         self._synchronize()  # the queued work the first group would otherwise be charged with
-        for g in groups:
+        for g in (g for g in groups if g.action != "stay"):
             with self._timed(f"perf/pause_train_{g.key}_time"):
                 self.memory.pause_tensors(list(g.tensors), [g.action == "host"] * len(g.tensors))
 

@@ -174,6 +174,26 @@ def test_with_optimizer_cpu_offload_the_compute_weights_go_to_pinned_host_memory
         assert torch.equal(value, before[name]), name
 
 
+def test_with_the_optimizer_resident_masters_and_moments_stay_mapped_and_training_is_unchanged(memory):
+    offload = TrainOffload(memory)
+    offload.optimizer_resident = True
+    plain, paused = trainer(None), trainer(offload)
+    plan = offload.make_plan()
+    assert [(g.key, g.action, g.device_bytes, g.host_bytes) for g in plan.groups if g.action == "stay"] == [
+        ("masters", "stay", 0, 0), ("moments", "stay", 0, 0)]
+    staying = sum(memory.allocation_bytes(t) for g in plan.groups if g.action == "stay" for t in g.tensors)
+    for step in range(STEPS):
+        assert train_step(*paused, step) == train_step(*plain, step)
+        offload.pause_state()
+        offload.pause_weights()
+        assert memory.stats()["mapped_bytes"] == staying and memory.stats()["host_backup_bytes"] == 0
+        assert "perf/pause_train_masters_time" not in offload.timings
+        offload.resume()
+    expected, got = state_bits(*plain[1:]), state_bits(*paused[1:])
+    for name, value in got.items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_a_dropped_optimizers_moments_leave_the_plan(memory):
     offload = TrainOffload(memory)
     _, master, _ = trainer(offload)
@@ -232,6 +252,26 @@ def test_start_up_refuses_it_without_the_native_library_saying_how_to_build_it(t
     monkeypatch.setattr(rollout_setup, "resolve_engine", lambda config: "sglang")  # on by default: says so
     with pytest.raises(ConfigError, match="--offload-train \\(on by default .*--no-offload-train"):
         check_offload_train(offload_config(tmp_path))
+
+
+def test_start_up_refuses_a_resident_optimizer_whose_state_is_on_the_host(tmp_path):
+    from redline.loop.validate import check_offload_train
+
+    with pytest.raises(ConfigError, match="--offload-train-optimizer gpu .*--optimizer-cpu-offload"):
+        check_offload_train(offload_config(tmp_path, offload_train="true", offload_train_optimizer="gpu",
+                                           optimizer_cpu_offload="true"))
+
+
+def test_in_the_loop_the_resident_optimizer_stays_mapped_while_the_engine_generates(tmp_path, monkeypatch,
+                                                                                   process_memory):
+    state, _, metrics = loop_run(tmp_path, monkeypatch, process_memory, steps=1, offload_train_optimizer="gpu")
+    offload, master = state.weight_sync.train, state.worker.master
+    assert offload.paused and offload.optimizer_resident
+    state_bytes = {what: nbytes for what, _, nbytes, _ in master.memory_rows()}
+    resident = state_bytes["master weights (fp32)"] + state_bytes["Adam moments (fp32 × 2)"]
+    assert resident <= process_memory.stats()["mapped_bytes"] < resident + 3 * PAGE
+    assert "perf/pause_train_moments_time" not in metrics[0] and metrics[0]["perf/pause_train_grads_time"] > 0
+    assert "stays on the GPU" in "\n".join(offload.plan.table())
 
 
 def test_start_up_refuses_it_with_engines_on_other_gpus(tmp_path):
@@ -334,14 +374,17 @@ def test_a_checkpoint_reads_the_resumed_trainer_and_the_engine_gets_its_weights_
 # ----- on a GPU (the real driver; the Triton AdamW writes the compute weights the rebuild must reproduce) ------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cpu_offload", [False, True], ids=["masters-on-gpu", "optimizer-cpu-offload"])
-def test_on_a_gpu_the_paused_trainer_frees_its_state_and_resumes_bit_exact(cpu_offload):
+@pytest.mark.parametrize("cpu_offload, resident", [(False, False), (True, False), (False, True)],
+                         ids=["masters-on-gpu", "optimizer-cpu-offload", "optimizer-resident"])
+def test_on_a_gpu_the_paused_trainer_frees_its_state_and_resumes_bit_exact(cpu_offload, resident):
     """Each step's state (the compute weights the Triton AdamW wrote, masters, moments) survives the pause: the
     rebuilt compute weights round the masters exactly as the update did."""
     from redline.loop.train_offload import train_offload
 
     device = torch.device("cuda", torch.cuda.current_device())
-    offload = train_offload(device)  # the process's one: the native allocator is per process
+    offload = train_offload("cuda")  # the process's one (the native allocator is per process), as the loop names it
+    assert train_offload(device) is offload  # as MasterWeights names it: cuda:0
+    offload.optimizer_resident = resident
     model = bf16_model().to(device)
     master = offload.track(MasterWeights(model, offload=cpu_offload, allocate=offload.allocate))
     optimizer = MixedPrecisionAdamW(master, lr=1e-3, weight_decay=0.1)
