@@ -271,7 +271,10 @@ def test_rank_0_tunes_and_the_other_ranks_compile_its_choices_without_timing(tmp
 
 
 # (tp, pp, dp): TP ranks of the last stage, DP ranks of the last stage
-@pytest.mark.parametrize("layout", [(2, 2, 1), (1, 2, 2)], ids=["tp2-pp2", "pp2-dp2"])
+@pytest.mark.parametrize("layout", [
+    (2, 2, 1),
+    # slow: 30-40 s on 2 shared CPU cores (4 spawned ranks), the same path as tp2-pp2 with DP ranks on the last stage
+    pytest.param((1, 2, 2), marks=pytest.mark.slow)], ids=["tp2-pp2", "pp2-dp2"])
 def test_under_pipeline_parallelism_the_last_stage_tunes_once_and_every_head_rank_takes_its_choices(tmp_path,
                                                                                                     layout):
     """4 gloo ranks (the run's mesh, TP fastest, then DP, then PP): the last stage owns the LM head, so its first
@@ -401,3 +404,40 @@ def test_warm_up_batches_meet_every_log_prob_statistics_specialization_of_the_1p
         assert stats(*example_batch(samples)) <= warm, samples
     for selected in range(1, 8193, 61):
         assert stats(selected + 1, torch.arange(selected)) <= warm, selected
+
+
+@pytest.mark.parametrize("steps_per_rollout", [
+    # slow: ~40 s on 2 shared CPU cores (4 spawned ranks); the reused-old-logp loss differs from the fused policy
+    # loss only in its LM-head op, which the log-prob pass already runs under TP/PP
+    pytest.param(1, marks=pytest.mark.slow),
+    2])
+def test_under_tp_sp_and_pp_the_warm_up_runs_the_steps_parallel_calls_and_leaves_the_trainer_as_it_was(
+        tmp_path, steps_per_rollout):
+    """TP=2 + SP × PP=2 over 4 gloo ranks, the whole warm-up on the sharded tiny model: every rank runs a 1F1B
+    forward/backward per micro-batch size; only the last stage's TP ranks run the LM head, always vocab-parallel
+    over the TP group, on each size's whole (unpadded) stream: a log-prob pass and a train loss per size; the
+    group's leader alone generates; weights, the optimizer's master shard and moments are as before and no
+    gradient is left (the master's fp32 buffer included)."""
+    import torch.multiprocessing as mp
+
+    from redline.kernels.tuning_buckets import prefill_shapes
+    from redline.loop.builtin import tiny_model
+    from tests.loop.mp_procs import warmup_step_worker  # importable by the spawned ranks
+
+    model = tiny_model(tmp_path / "model", seed=7, vocab_multiple=2)  # TP=2 splits the vocabulary
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(warmup_step_worker, args=(str(tmp_path / "store"), str(model), str(tmp_path / "cache"),
+                                           steps_per_rollout, results), nprocs=4, join=True)
+        results = dict(results)
+    sizes = warmup.warmup_row_counts(16)  # odd sizes among them: SP pads those to a multiple of 2
+    loss_kind = "logprobs" if steps_per_rollout == 1 else "policy_loss"  # reused old log-probs: the log-prob op
+    last_stage = {2, 3}  # ranks are pp-major, TP fastest
+    for rank, record in results.items():
+        assert record["schedules"] == len(sizes), rank
+        assert record["heads"] == ([head for n in sizes for head in (("logprobs", n, True), (loss_kind, n, True))]
+                                   if rank in last_stage else []), rank
+        assert record["engine"] == ([prompts for prompts, _ in prefill_shapes(8, 4)] if rank == 0 else []), rank
+        assert record["weights"] and record["optimizer"] and record["grads"], rank
+        assert record["metrics"] == ["perf/startup_compile_count", "perf/startup_compile_time",
+                                     "perf/startup_tuned_keys"]
