@@ -82,8 +82,8 @@ def run_on_ray(config, config_path=None) -> int:
         world, size = group_size(config)
         bundle = ray_placement.bundle_for(ray.cluster_resources(), size)
         group, slots = ray_placement.place(ray, size, bundle)
-        if size > world and len({s.node_id for s in slots}) > 1:
-            raise ConfigError(f"--no-colocate on Ray: the trainer starts its {size - world} engine process(es) "
+        if size > world and _sglang(config) and len({s.node_id for s in slots}) > 1:
+            raise ConfigError(f"--no-colocate SGLang on Ray: the trainer launches its {size - world} server(s) "
                               f"itself, so their bundles must share its node; Ray spread them over "
                               f"{len({s.node_id for s in slots})} nodes")
         # every attempt writes here; absolute, as a rank's working directory on another node may differ (the
@@ -93,7 +93,8 @@ def run_on_ray(config, config_path=None) -> int:
         placement = _rows(slots, world)
         _announce(placement)
         try:
-            return _attempts(ray, config, config_path, group, slots, world, bundle, placement)
+            return _attempts(ray, config, config_path, group, slots, world, bundle, placement,
+                             _engines_env(config, slots, world, bundle))
         finally:
             if out.is_dir():  # written last: an --overwrite start empties the folder first
                 (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=1) + "\n")
@@ -109,6 +110,23 @@ def group_size(config) -> tuple[int, int]:
     p = config.parallel
     world = p.actor_num_nodes * p.actor_num_gpus_per_node
     return world, world + (0 if p.colocate else p.rollout_num_gpus)
+
+
+def _sglang(config) -> bool:
+    from redline.loop.rollout_setup import resolve_engine
+
+    return resolve_engine(config) == "sglang"
+
+
+def _engines_env(config, slots, world: int, bundle: dict) -> dict[str, str]:
+    """``--no-colocate`` embedded engines: their bundles (after the trainer's), named to the trainer rank, which
+    starts an engine actor on each (``redline.loop.ray_engines``)."""
+    if len(slots) == world or _sglang(config):
+        return {}
+    from redline.loop import ray_engines, ray_placement
+
+    given = {"bundles": [s.bundle_index for s in slots[world:]], "resources": ray_placement.actor_resources(bundle)}
+    return {ray_engines.ENGINES_ENV: json.dumps(given)}
 
 
 def _local_runtime(config) -> dict:
@@ -128,12 +146,12 @@ def _fixed_output_dir(config) -> str:
     return str(output_dir_for(config))
 
 
-def _attempts(ray, config, config_path, group, slots, world, bundle, placement: list[dict]) -> int:
+def _attempts(ray, config, config_path, group, slots, world, bundle, placement: list[dict], engines_env) -> int:
     from ray.exceptions import RayActorError
 
     restarts = config.checkpoint.max_restarts if config.checkpoint.auto_resume else 0
     for attempt in range(restarts + 1):
-        actors = _start_ranks(ray, group, slots, world, bundle, attempt)
+        actors = _start_ranks(ray, group, slots, world, bundle, attempt, engines_env)
         try:
             for row, seen in zip(placement, ray.get([a.where.remote() for a in actors])):
                 row.setdefault("attempts", []).append(seen)
@@ -151,7 +169,7 @@ def _attempts(ray, config, config_path, group, slots, world, bundle, placement: 
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _start_ranks(ray, group, slots, world: int, bundle: dict, attempt: int) -> list:
+def _start_ranks(ray, group, slots, world: int, bundle: dict, attempt: int, engines_env: dict) -> list:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from redline.loop import ray_placement
 
@@ -159,7 +177,7 @@ def _start_ranks(ray, group, slots, world: int, bundle: dict, attempt: int) -> l
     inherited = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
     return [actor.options(**ray_placement.actor_resources(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=slot.bundle_index)).remote(
-        {**inherited, **ray_placement.rank_env(slots, rank, world), ATTEMPT_ENV: str(attempt)})
+        {**inherited, **ray_placement.rank_env(slots, rank, world), **engines_env, ATTEMPT_ENV: str(attempt)})
         for rank, slot in enumerate(slots[:world])]
 
 

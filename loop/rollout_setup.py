@@ -8,6 +8,7 @@ of seeds, so successive evaluations differ only by the weights.
 
 import asyncio
 import contextlib
+import functools
 import os
 
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
@@ -128,6 +129,11 @@ def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None,
             gpus = disaggregated_base_gpus(config.parallel.rollout_num_gpus,
                                            config.parallel.rollout_num_gpus_per_engine, first_gpu=first)
             return build_sglang_engine(config, log_dir=log_dir, gpus=gpus)
+        from redline.loop import ray_engines
+
+        if ray_engines.engine_bundles() is not None:  # under Ray: each on its own bundle, wherever Ray put it
+            engines = ray_engines.start_engines(functools.partial(_embedded_process_on, config, dtype))
+            return engines[0] if len(engines) == 1 else EngineGroup(engines)
         engines = []
         for d in engine_devices(config):
             with only_gpu(d):  # the child sees its GPU as cuda:0, in every one of its threads
@@ -161,6 +167,10 @@ def build_embedded_process(config, *, device, dtype):
     return EmbeddedEngineProcess(config.model.hf_checkpoint, dtype=dtype, device=str(device),
                                  max_batch_size=engine_rows(config), max_seq_len=engine_seq_len(config, context),
                                  seed=config.train.seed)
+
+
+def _embedded_process_on(config, dtype, device):
+    return build_embedded_process(config, device=device, dtype=dtype)
 
 
 def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):

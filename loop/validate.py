@@ -386,7 +386,9 @@ def check_placement(config, world_size: int = 1) -> None:
         return  # attached servers: they hold their GPUs already, --rollout-num-gpus launches nothing
     if p.rollout_num_gpus < 1:
         raise ConfigError(f"--rollout-num-gpus must be >= 1 with --no-colocate, got {p.rollout_num_gpus}")
-    if torch.cuda.is_available():
+    from redline.loop.ray_engines import engine_bundles
+
+    if torch.cuda.is_available() and engine_bundles() is None:  # under Ray the engines have bundles of their own
         needed, visible = 1 + p.rollout_num_gpus, torch.cuda.device_count()
         if visible < needed:
             raise ConfigError(f"--no-colocate --rollout-num-gpus {p.rollout_num_gpus}: the trainer takes GPU 0 and "

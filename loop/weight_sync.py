@@ -339,6 +339,7 @@ class BroadcastWeightSync:
 
     async def connect(self) -> None:
         """Build the weight-update group: this process as rank 0, the engines at the same time as 1..N."""
+        from redline.loop.ray_engines import weight_group_address
         from redline.sync.broadcast import (
             BroadcastSender,
             init_weight_update_group,
@@ -346,7 +347,9 @@ class BroadcastWeightSync:
             stage_group_name,
         )
 
-        address, port = "127.0.0.1", free_port()  # the engines run on this host
+        # this host's loopback, or under Ray this node's IP (the engines' actors may be on other nodes); the port
+        # was free here a moment ago
+        address, port = weight_group_address(), free_port()
         offsets, world = rank_offsets([e.weight_group_size for e in self.engines])
         name = f"{stage_group_name(0)}-{port}"  # unique in this process, also when an earlier run left its group
 

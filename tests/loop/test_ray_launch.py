@@ -74,3 +74,31 @@ def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
     assert "rollout engine: embedded (own process) (one per data-parallel rank, 2 ranks)" in console
     assert [r["rollout/engine_restarts"] for r in records[1:]] == [0] * 3
     assert_same_records(single, without_fault_counters(records))
+
+
+def test_two_node_cluster_runs_a_disaggregated_engine_on_its_own_bundle_on_the_other_node(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the driver's node hosts nothing
+    try:
+        for name in ("node_a", "node_b"):  # one CPU each: the trainer's bundle and the engine's cannot share one
+            cluster.add_node(num_cpus=1, resources={name: 1})
+        cluster.wait_for_nodes()
+        batch = ["--num-rollout", "3", "--no-colocate", "--rollout-num-gpus", "1"]
+        records, console, _ = train(tmp_path / "ray", *batch, "--ray-address", cluster.address)
+    finally:
+        cluster.shutdown()
+    single, _, _ = train(tmp_path / "single", *batch)  # its engine process the trainer's child
+    trainer, engine = json.loads((tmp_path / "ray" / "placement.json").read_text())
+    assert "rank" in trainer and "engine" in engine and trainer["node_id"] != engine["node_id"]
+    (seen,) = trainer["attempts"]
+    assert seen["node_id"] == trainer["node_id"]
+    # the engine process runs on the engine bundle's node, and the weight-update group meets on the trainer's
+    # node IP (not 127.0.0.1)
+    shown = re.search(r"ray: engine 0 \(process \d+\) on node (\S+) \((\w+)\), bundle (\d+); weight-update group "
+                      r"on (\S+)", console)
+    assert shown, console[-3000:]
+    assert engine["node_id"].startswith(shown[2]) and int(shown[3]) == engine["bundle"]
+    assert shown[4] == trainer["node_ip"]
+    assert [r["rollout/samples"] for r in records[1:]] == [200.0] * 3
+    assert_same_records(single, records)
