@@ -24,7 +24,7 @@ from redline.loop.step import RunState, rl_step
 from redline.loop.train_offload import ensure_resident, trainer_resident
 from redline.loop.training_memory import memory_table
 from redline.loop.validate import check_distributed_timeout, loss_config, validate
-from redline.loop.warmup import CompileClock, warm_up, warmup_enabled
+from redline.loop.warmup import CompileClock, settle_step, warm_up, warmup_enabled
 from redline.loop.worker import TrainerWorker
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -328,9 +328,10 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
         step = rollout_id + 1
         if compile_clock:  # what this step still paid in Triton compilation; the first also the start-up's cost
-            if stall := compile_clock.stall_report(step):
+            paid, stalls = settle_step(compile_clock, step, dp)  # on any rank
+            for stall in stalls:
                 progress.warn(stall)
-            step_metrics.update(compile_clock.take(), **startup)
+            step_metrics.update(paid, **startup)
             startup = {}
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
             progress.phase("eval")

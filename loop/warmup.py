@@ -107,6 +107,22 @@ class CompileClock:
         return f"step {step} compiled {len(self.compiled)} Triton kernel(s) the warm-up did not reach: {kernels}"
 
 
+def settle_step(clock: CompileClock, step: int, dp) -> tuple[dict[str, float], list[str]]:
+    """``clock.take()`` and ``clock.stall_report(step)`` over every process of the run (all of them call; ``dp``:
+    the run's ``DataParallel``): ``perf/compile_time`` and ``perf/compile_count`` the most any process paid, and
+    a stall line for each process that compiled (its rank named when there are several), so rank 0, which logs and
+    prints, reports a stall on any rank (under PP the LM head's kernels run on the last stage only)."""
+    mine = (clock.stall_report(step), clock.take())
+    if dp.processes == 1:
+        return mine[1], [mine[0]] if mine[0] else []
+    import torch.distributed as dist
+
+    everyone = [None] * dp.processes
+    dist.all_gather_object(everyone, mine)
+    paid = {key: max(taken[key] for _, taken in everyone) for key in mine[1]}
+    return paid, [f"rank {rank}: {report}" for rank, (report, _) in enumerate(everyone) if report]
+
+
 def synthetic_batch(n_tokens: int, vocab: int, generator: torch.Generator, with_ref: bool) -> MicroBatch:
     """A packed micro-batch of ``n_tokens`` token ids below ``vocab`` in ``SEQUENCE``-token sequences, every position but each sequence's first in the loss,
     with the per-token values a policy loss reads."""

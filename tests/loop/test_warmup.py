@@ -93,6 +93,37 @@ def test_compile_clock_names_each_kernel_compiled_inside_a_step_with_its_phase(m
     assert clock.stall_report(2) is None  # a cache hit alone is no compilation
 
 
+def test_a_step_settles_the_compilations_of_every_rank_on_each(monkeypatch):
+    """Several processes: each step's compile metrics are the most any rank paid and every rank that compiled gets
+    its stall line, named by rank (under PP the LM head's kernels compile on the last stage, not on rank 0, which
+    logs); rank 1's part of the gather is stood in for. One process: its own, unchanged."""
+    import torch.distributed as dist
+    import triton
+
+    from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
+
+    monkeypatch.setattr(triton.knobs.compilation, "listener", None)
+    times = SimpleNamespace(ir_initialization=500_000, lowering_stages=[], store_results=0)  # 0.5 s
+    clock = warmup.CompileClock().install()
+    assert warmup.settle_step(clock, 3, SINGLE_PROCESS) == ({"perf/compile_time": 0.0, "perf/compile_count": 0.0},
+                                                            [])
+    other = ("step 3 compiled 1 Triton kernel(s) the warm-up did not reach: _stats_kernel in train (2.00 s)",
+             {"perf/compile_time": 2.0, "perf/compile_count": 1.0})
+
+    def gather(out, mine):
+        out[:] = [mine, other]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    clock.phase = "log-probs"
+    triton.knobs.compilation.listener(src=SimpleNamespace(name="_rms_norm_fwd_kernel"), metadata={},
+                                      metadata_group={}, times=times, cache_hit=False)
+    paid, stalls = warmup.settle_step(clock, 3, DataParallel(rank=0, world=2))
+    assert paid == {"perf/compile_time": 2.0, "perf/compile_count": 1.0}
+    assert stalls == ["rank 0: step 3 compiled 1 Triton kernel(s) the warm-up did not reach: _rms_norm_fwd_kernel in "
+                      "log-probs (0.50 s)", f"rank 1: {other[0]}"]
+    assert clock.take() == {"perf/compile_time": 0.0, "perf/compile_count": 0.0}
+
+
 def _tiny_state(tmp_path, steps_per_rollout=2, **extra):
     from redline.config import TrainConfig
     from redline.kernels import LossConfig
