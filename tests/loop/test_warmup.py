@@ -472,3 +472,31 @@ def test_under_tp_sp_and_pp_the_warm_up_runs_the_steps_parallel_calls_and_leaves
         assert record["weights"] and record["optimizer"] and record["grads"], rank
         assert record["metrics"] == ["perf/startup_compile_count", "perf/startup_compile_time",
                                      "perf/startup_tuned_keys"]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
+def test_two_gpus_warm_up_under_tp_and_pp_leaves_no_compilation_to_the_steps(layout, tmp_path, monkeypatch):
+    """``redline train`` over NCCL at TP=2 + SP and PP=2 from empty caches, the LM head on the Triton GEMMs (so
+    there are keys to tune): the warm-up compiles, one rank tunes (one table; its keys in step 1's record, which
+    rank 0 writes even when the last stage tuned), and no step compiles a kernel on any rank."""
+    from redline.kernels import tuning_table
+    from redline.loop.builtin import tiny_model
+    from tests.loop.test_model_parallel import LAYOUTS, train
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (one per rank)")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv(tuning_table.CACHE_ENV, str(tmp_path / "redline"))
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
+    processes, flags = LAYOUTS[layout]
+    out = tmp_path / "run"
+    records = train(out, tiny_model(tmp_path / "model", seed=7, vocab_multiple=2), *flags, "--eval-interval", "0",
+                    processes=processes)
+    console = (out / "console.log").read_text()
+    steps = [r for r in records if r["step"] >= 1]
+    assert steps[0]["perf/startup_compile_count"] > 0 and steps[0]["perf/startup_tuned_keys"] > 0
+    assert "kernel tuning table:" in console and "kernel warm-up:" in console
+    assert len(list((tmp_path / "redline" / "autotune").iterdir())) == 1
+    stalls = [line for line in console.splitlines() if "the warm-up did not reach" in line]
+    assert [r["perf/compile_count"] for r in steps] == [0.0] * len(steps) and not stalls, stalls
