@@ -180,8 +180,8 @@ def summary(out: Path, results: dict) -> str:
         lines.append(f"| {run} `{' '.join(result['flags'])}` | {ok} | " + " | ".join(cells)
                      + f" | {ms(transition)} | {ratio} | {gib(m.get('perf/trainer_paused_bytes'))} | {gib(m.get('perf/kv_headroom_bytes'))} | "
                      f"{gib(result['kv_cache_bytes'])} | {step} |")
-    lines += ["", "The plan's cost, group by group (medians, ms): each group's pause (its copies to pinned host "
-              "waited for), the caching allocator's empty_cache, and the resume's two parts.", "",
+    lines += ["", ("The plan's cost, group by group (medians, ms): each group's pause (its copies to pinned host "
+                   "waited for), the caching allocator's empty_cache, and the resume's two parts."), "",
               "| run | " + " | ".join(k.removeprefix("perf/").removesuffix("_time") for k in GROUPS) + " |",
               "| --- |" + " ---: |" * len(GROUPS)]
     for run, result in results.items():
