@@ -7,9 +7,12 @@ through ``GroupExport``, whose export is the model-parallel group's stream:
   the pipeline group once): no gather, and every rank of the group gets the same plan;
 * ``full_buckets``: on every TP rank of a stage, that stage's part of each bucket as full HF-named tensors. One
   all-gather per bucket over the TP group (the part's shards flattened into one buffer), started for bucket k+1
-  before bucket k is handed on, so the next gather runs while the current bucket is sent: at most two buckets
-  are gathered at a time, never the whole model. This is the step a multi-GPU engine needs (each TP rank holds
-  the bucket's full tensors and can hand its engine rank its own payload);
+  once bucket k is assembled and before it is handed on, so the next gather runs while the current bucket is
+  sent: at most two buckets are gathered at a time (gathered rows and assembled tensors together, when the
+  consumer drops a bucket before asking for the next), never the whole model. This is the step a multi-GPU
+  engine needs (each TP rank holds the bucket's full tensors and can hand its engine rank its own payload);
+* ``seat_parts``: for a colocated SGLang engine of several GPUs (``--rollout-num-gpus-per-engine``, an engine
+  seat), every (bucket, stage) part in plan order on every rank of the group, see its docstring for the route;
 * ``leader_stream``: the group's leader (TP rank 0 of the first stage, the rank that holds the engine) gets every
   bucket in plan order: its own stage's part from its gathers, each later stage's part from that stage's TP rank
   0 (one point-to-point message per bucket part, over the pipeline group). The other ranks gather and send their
@@ -94,10 +97,13 @@ def full_buckets(model, plan: WeightPlan, stage_names: list[set[str]]
 
     pending = start(layouts[0]) if layouts else None
     for k, layout in enumerate(layouts):
-        current = pending
+        # bucket k assembled before k+1's gather is allocated: its gathered rows and its full tensors are never
+        # live beside a third bucket (with a consumer that lets go of k-1 before asking for k)
+        named, pending = finish(layout, *pending), None  # bucket k's gathered rows go with its pending entry
         if k + 1 < len(layouts):
             pending = start(layouts[k + 1])  # in flight while bucket k is sent
-        yield layout, finish(layout, *current)
+        yield layout, named
+        del named  # the consumer's references alone keep bucket k alive
 
 
 @torch.no_grad()
@@ -142,6 +148,53 @@ def leader_stream(model, plan: WeightPlan, stage_names: list[set[str]]) -> Itera
             yield from ((meta.name, meta.view(buffer)) for meta in metas)
 
 
+def seat_parts(model, plan: WeightPlan, stage_names: list[set[str]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every bucket's ``(hf_name, full tensor)`` on every rank of the model-parallel group, one list per (bucket,
+    stage) part, in plan order and, within a bucket, stage order: what each engine TP rank of a colocated
+    SGLang engine needs on its own GPU (``redline.sync.sglang.gathered_buckets`` then sends one request per part,
+    one payload per engine rank).
+
+    Route: the TP ranks of the part's stage hold its full tensors from their own per-bucket TP gather
+    (``full_buckets``); every other stage's rank receives them from the rank of the part's stage at its own TP
+    rank, by one broadcast per tensor over its pipeline group (the ranks of one TP rank across the stages), into
+    a fresh buffer of the part's bytes. So each rank holds, besides the part it hands on, at most its own
+    stage's next gathered bucket: two buckets. Every rank of the group must iterate to the end (the gathers and
+    broadcasts are collectives) and drop each part before asking for the next."""
+    pp = pipeline_state(model)
+    own = full_buckets(model, plan, stage_names)
+    if pp is None:
+        for _, named in own:
+            yield named
+            del named  # before the next bucket is assembled
+        return
+    device = next(model.parameters()).device
+    for layout in plan.buckets:
+        for stage, names in enumerate(stage_names):
+            metas, (lo, hi) = _part(layout, names)
+            if not metas:
+                continue
+            if stage == pp.pp_rank:
+                named = next(own)[1]
+                tensors = [t.contiguous() for _, t in named]
+            else:
+                buffer = torch.empty(hi - lo, dtype=torch.uint8, device=device)
+                named = [(m.name, buffer[m.start_idx - lo:m.end_idx - lo].view(m.dtype).view(m.shape))
+                         for m in metas]
+                tensors = [t for _, t in named]
+                del buffer  # the views keep it: it goes when the part does
+            _broadcast(tensors, dist.get_global_rank(pp.pp_group, stage), pp.pp_group)
+            del tensors
+            yield named
+            del named
+
+
+def _broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
+    """``tensors`` from global rank ``src`` to ``group``, all in flight at once (the finished works, which hold
+    the tensors, go on return)."""
+    for work in [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]:
+        work.wait()
+
+
 class GroupExport:
     """The model as ``WeightSync`` reads it under TP/PP: ``export_hf()`` is the planning stream (every stage's
     tensors at full size, on the meta device: nothing gathered) until ``plan`` is set, then ``leader_stream``.
@@ -168,16 +221,23 @@ class ModelParallelWeightSync(WeightSync):
     holds ``engine``, pushes the group's stream into it in any ``WeightSync`` mode but zero-copy (the pushed
     tensors are gathered, not the trainer's storage); every other rank passes ``engine=None`` and is a
     ``contributor``: each push it gathers and sends its part as many times as the leader's mode reads the
-    export. Options as ``WeightSync``'s."""
+    export. With an engine ``seat`` (a colocated SGLang engine of several GPUs) every rank of the seat is in
+    mode ``sglang-tp`` and hands its engine TP rank each (bucket, stage) part of ``seat_parts``. Options as
+    ``WeightSync``'s."""
 
-    def __init__(self, model, engine, dp, **options):
+    def __init__(self, model, engine, dp, *, seat=None, **options):
         export = GroupExport(model)
-        super().__init__(export, engine, zero_copy=False, **options)
+        super().__init__(export, engine, zero_copy=False, seat=seat, **options)
         export.plan = self.plan
+        if seat is not None:
+            return
         self.controls_engine = dp.holds_engine
         if not dp.holds_engine:
             self.mode = "contributor"
         self.passes = dp.from_model_leader(lambda: EXPORT_PASSES.get(self.mode, 1))
+
+    def _seat_buckets(self):
+        return seat_parts(self.model.model, self.plan, self.model.stage_names)
 
     async def _sync(self, version: str) -> None:
         if self.mode != "contributor":
@@ -190,4 +250,7 @@ class ModelParallelWeightSync(WeightSync):
         if self.mode == "contributor":
             return (f"weight sync: this rank gathers and sends its shards of {len(self.plan.buckets)} buckets to its "
                     "model-parallel group's engine")
+        if self.mode == "sglang-tp":
+            return super().describe() + (" · gathered over TP per bucket; each pipeline stage's part broadcast to "
+                                         "the other stages' ranks, one request per (bucket, stage)")
         return super().describe() + " · gathered over TP per bucket, each pipeline stage's part sent to the engine"

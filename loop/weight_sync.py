@@ -239,8 +239,8 @@ class WeightSync:
         elif self.mode == "sglang-tp":
             from redline.sync.sglang import gathered_buckets
 
-            buckets = gathered_buckets(named_buckets(self.plan, self.model.export_hf()), self._serialize_own,
-                                       self.seat.group, list(self.seat.ranks))
+            buckets = gathered_buckets(self._seat_buckets(), self._serialize_own, self.seat.group,
+                                       list(self.seat.ranks))
             if self.seat.is_leader:
                 await self.engine.update_weights(buckets, version=version)
             else:
@@ -264,6 +264,11 @@ class WeightSync:
         dist.broadcast_object_list(box, src=self.seat.leader, group=self.seat.group)
         for key, value in box[0].items():
             self.timings.setdefault(key, value)
+
+    def _seat_buckets(self):
+        """What this rank of an engine seat hands its engine TP rank, one list of ``(hf_name, full tensor)`` a
+        request: the plan's buckets of the export (a TP/PP trainer's group: ``ModelParallelWeightSync``)."""
+        return named_buckets(self.plan, self.model.export_hf())
 
     def _serialize_own(self, bucket) -> str:
         """This rank's payload of one bucket: CUDA-IPC handles into a fresh flattened buffer on its GPU."""

@@ -61,12 +61,14 @@ async def gathered_buckets(buckets: Iterable[NamedTensors], serialize_own: Calla
     serializes its own GPU's copy of the bucket (``serialize_own``: one payload string, CUDA-IPC handles into a
     fresh buffer on this rank's GPU) and the payloads are gathered to the engine's first rank, which yields one
     ``SerializedBucket`` (``per_rank[i]`` for engine TP rank ``i``) per bucket; the other ranks yield nothing
-    and must still iterate to the end. Every rank iterates ``buckets`` in the same order (under TP the export's
-    gathers are collectives too). The blocking serialize and gather run on a worker thread, so the first rank's
+    and must still iterate to the end. Every rank iterates ``buckets`` in the same order (under TP/PP the
+    stream's gathers and broadcasts are collectives too: ``redline.loop.parallel_sync.seat_parts``, whose
+    (bucket, stage) parts each become one request); a bucket is let go once serialized. The blocking serialize and gather run on a worker thread, so the first rank's
     event loop keeps the previous bucket's update request moving meanwhile."""
     first = dist.get_rank() == engine_ranks[0]
     for bucket in buckets:
         payload = await asyncio.to_thread(serialize_own, list(bucket))
+        del bucket  # the payload is a copy: the source may go before the next bucket is gathered (or received)
         gathered = await asyncio.to_thread(gather_rank_payloads, payload, group, engine_ranks)
         if first:
             yield gathered
