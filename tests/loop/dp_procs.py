@@ -70,7 +70,9 @@ def warmup_tuning_worker(rank, store, cache_dir, results, tp=1, pp=1, dp=2):
                               on_phase=lambda name: None)
         out = io.StringIO()
         metrics = warmup.tune_lm_head(run, Console(file=out, width=300))
-        readable = lambda cache: {str(k): str(v) for k, v in cache.items()}  # noqa: E731
+        def readable(cache):
+            return {str(k): str(v) for k, v in cache.items()}
+
         results[rank] = {"timed": timed, "seen": [readable(c) for c in seen], "holds": readable(kernel.cache),
                          "metrics": metrics, "read_head": bool(reads), "printed": out.getvalue()}
     finally:
