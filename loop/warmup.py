@@ -230,8 +230,8 @@ def warm_engine(state) -> int:
 
 
 def warm_up(state, console, clock: CompileClock, version: str) -> dict[str, float]:
-    """Tune and compile before the first step (CUDA only); prints a start-up line and returns the metrics step 1
-    carries: ``perf/startup_compile_time`` (s, the warm-up's wall time: tuning, compilation, the synthetic
+    """Tune and compile before the first step (CUDA only; every rank of the run calls it, under TP/PP too: its
+    passes are the group's collectives); prints a start-up line and returns the metrics step 1 carries: ``perf/startup_compile_time`` (s, the warm-up's wall time: tuning, compilation, the synthetic
     micro-batches, the engine batches), ``perf/startup_compile_count`` (kernels compiled rather than loaded from
     Triton's cache), ``perf/startup_tuned_keys`` (autotuner keys timed now). ``version``: the weight version the
     engine holds (``"0"``, or the resumed rollout's), republished when the warm-up gives the engine its memory
