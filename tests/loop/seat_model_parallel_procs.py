@@ -96,10 +96,15 @@ def trainer_through_seat(rank, world, port, tp, pp, results):
     ``ModelParallelWeightSync``. ``results`` gets (rank, (server calls or None, {hf_name: hash} of the unsharded
     model, the plan's bucket sizes, this rank's peak gathered bytes, the sync's mode and description))."""
     from redline.loop.data_parallel import init_data_parallel
-    from redline.loop.engine_placement import colocated_seat, join_engine_groups, share_engine_url
+    from redline.loop.engine_placement import (
+        colocated_seat,
+        join_engine_groups,
+        share_engine_url,
+    )
     from redline.loop.parallel_sync import ModelParallelWeightSync
     from redline.rollout.sglang.engine import SGLangEngine
     from redline.trainer.models import from_config
+
     from tests.rollout.fake_sglang import FakeSGLang
     from tests.rollout.test_sglang_weight_check import byte_hash
 

@@ -6,7 +6,6 @@ part, while no rank holds more than two buckets of gathered weights at once (``r
 import multiprocessing as mp
 
 import pytest
-
 from redline.ports import free_port
 
 from tests.loop import seat_model_parallel_procs  # importable by the spawned ranks
