@@ -20,6 +20,7 @@ through ``GroupExport``, whose export is the model-parallel group's stream:
   (``ModelParallelWeightSync``).
 """
 
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -124,14 +125,16 @@ def leader_stream(model, plan: WeightPlan, stage_names: list[set[str]]) -> Itera
                 for meta, (_, tensor) in zip(metas, named):
                     meta.view(buffer).copy_(tensor)
                 dist.send(buffer[lo:hi], dst=leader, group=pp.pp_group)
+                del buffer, tensor
+            del named  # before the next bucket is assembled (full_buckets' two-bucket bound)
         return
     if tp_rank != 0:
-        for _ in own:
-            pass
+        deque(own, maxlen=0)  # holds no bucket while the next is assembled
         return
     if pp is None:
         for _, named in own:
             yield from named
+            del named
         return
     device = next(model.parameters()).device
     for layout in plan.buckets:
