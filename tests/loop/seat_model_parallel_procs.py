@@ -92,7 +92,7 @@ def instrument(trainer, serialize_payload):
 
 
 def trainer_through_seat(rank, world, port, tp, pp, results):
-    """TP ``tp`` × PP ``pp`` trainer ranks (``world`` = tp·pp) on one engine seat: one push through
+    """TP ``tp`` × PP ``pp`` trainer ranks (× the data-parallel rest of ``world``) on one engine seat: one push through
     ``ModelParallelWeightSync``. ``results`` gets (rank, (server calls or None, {hf_name: hash} of the unsharded
     model, the plan's bucket sizes, this rank's peak gathered bytes, the sync's mode and description))."""
     from redline.loop.data_parallel import init_data_parallel

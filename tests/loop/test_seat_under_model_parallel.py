@@ -14,9 +14,9 @@ CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HT
 TIMEOUT_S = 240
 
 
-def run_ranks(tp, pp):
+def run_ranks(tp, pp, dp):
     results, port = CTX.Queue(), free_port()
-    world = tp * pp
+    world = tp * pp * dp
     procs = [CTX.Process(target=seat_model_parallel_procs.trainer_through_seat,
                          args=(rank, world, port, tp, pp, results), daemon=True) for rank in range(world)]
     for p in procs:
@@ -47,10 +47,12 @@ def received_by_engine_rank(calls, world):
 
 
 @pytest.mark.slow  # gloo processes
-@pytest.mark.parametrize("tp,pp,parts", [(2, 1, 5), (2, 2, 6)])
-def test_every_engine_rank_gets_the_unsharded_model_holding_at_most_two_buckets(tp, pp, parts):
-    world = tp * pp
-    outcome = run_ranks(tp, pp)
+@pytest.mark.parametrize("tp,pp,dp,parts", [(2, 1, 1, 5), (2, 2, 1, 6), (2, 1, 2, 5)])
+def test_every_engine_rank_gets_the_unsharded_model_holding_at_most_two_buckets(tp, pp, dp, parts):
+    """One engine over the whole world: a TP=2 group, a TP=2 x PP=2 group, or two TP=2 data-parallel groups (each
+    engine rank served by the group on its GPU)."""
+    world = tp * pp * dp
+    outcome = run_ranks(tp, pp, dp)
     calls, expected, buckets, _, mode, description = outcome[0]
     assert len(buckets) == 5  # the middle bucket holds layers 3 and 4: under PP=2 one part on each stage
     assert all(outcome[r][0] is None and outcome[r][4] == "sglang-tp" for r in range(1, world))
