@@ -160,8 +160,9 @@ def seat_parts(model, plan: WeightPlan, stage_names: list[set[str]]) -> Iterator
     Route: the TP ranks of the part's stage hold its full tensors from their own per-bucket TP gather
     (``full_buckets``); every other stage's rank receives them from the rank of the part's stage at its own TP
     rank, by one broadcast per tensor over its pipeline group (the ranks of one TP rank across the stages), into
-    a fresh buffer of the part's bytes. So each rank holds, besides the part it hands on, at most its own
-    stage's next gathered bucket: two buckets. Every rank of the group must iterate to the end (the gathers and
+    a fresh buffer of the part's bytes. So a rank holds at most two buckets' bytes of gathered weights: a bucket's
+    gathered rows beside its assembled tensors, or the part it hands on beside its own stage's next bucket's rows
+    (in flight meanwhile). Every rank of the group must iterate to the end (the gathers and
     broadcasts are collectives) and drop each part before asking for the next."""
     pp = pipeline_state(model)
     own = full_buckets(model, plan, stage_names)
