@@ -11,7 +11,8 @@
    ``--optimizer-cpu-offload --recompute full --max-tokens-per-gpu 4096``: its 72 GB of state on the GPU did not
    fit beside the engine on 80 GB, so its masters and moments live in pinned host memory in both modes and
    ``--offload-train`` pauses the compute weights and gradients), ``--steps`` RL steps each, with
-   ``--no-offload-train``, with ``--offload-train`` and (masters and moments on the GPU only) with
+   ``--no-offload-train``, with ``--offload-train --offload-train-optimizer host`` and (masters and moments on the
+   GPU only) with
    ``--offload-train --offload-train-optimizer gpu`` (they stay resident: the plan's other choice); a run that fails or passes ``--run-timeout`` is reported
    as such, with its last error line;
 3. writes OUTDIR/<shape>-<mode>/ (metrics.jsonl, report.md with the phase plot), OUTDIR/<shape>-<mode>.log,
@@ -47,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the third mode keeps the masters and moments resident (their copies to and from pinned host are most of the
 # pause and resume): the plan's other choice, measured in the same call; not with --optimizer-cpu-offload, whose
 # masters and moments are on the host already
-MODES = {"no-offload-train": ["--no-offload-train"], "offload-train": ["--offload-train"],
+MODES = {"no-offload-train": ["--no-offload-train"],
+         "offload-train": ["--offload-train", "--offload-train-optimizer", "host"],
          "offload-train-optimizer-gpu": ["--offload-train", "--offload-train-optimizer", "gpu"]}
 TRANSITION = ("perf/release_time", "perf/resume_train_time", "perf/pause_train_time", "perf/resume_weights_time",
               "perf/sync_time", "perf/check_weights_time", "perf/resume_kv_time")
@@ -220,7 +222,7 @@ def main() -> int:
         for mode, mode_flags in MODES.items():
             run = f"{shape}-{mode}"
             flags = [*mode_flags, *SHAPE_FLAGS.get(shape, []), *args.extra.split()]
-            if "--offload-train-optimizer" in flags and "--optimizer-cpu-offload" in flags:
+            if "gpu" in flags and "--optimizer-cpu-offload" in flags:
                 continue
             result = train(out, run, args.config, model, args.steps, flags, env, args.run_timeout)
             result.update(medians=medians(out / run), kv_cache_bytes=kv_cache_bytes(args.config, model))

@@ -176,15 +176,17 @@ class TrainConfig:
                                          "memory; each step streams them through the GPU in chunks")
     offload_train: bool | None = option(None, "colocated: keep the compute weights, gradients, fp32 master weights "
                                         "and Adam moments in pausable GPU memory, released while the engine "
-                                        "generates (gradients and compute weights rebuilt, the rest kept in "
-                                        "pinned host memory) and restored before the log-probs; needs a CUDA GPU "
-                                        "and redline's native library (default: on with a colocated SGLang "
-                                        "engine, else off)")
-    offload_train_optimizer: Literal["host", "gpu"] = option(
-        "host", "--offload-train: where the fp32 master weights and Adam moments are while the engine generates: "
-        "host (copied to pinned host memory and back every step; their copies are most of the pause and resume) "
-        "or gpu (they stay resident: less memory for the engine, a transition of little more than the compute "
-        "weights' rebuild)")
+                                        "generates (gradients and compute weights rebuilt, masters and moments "
+                                        "placed by --offload-train-optimizer) and restored before the "
+                                        "log-probs; needs a CUDA GPU and redline's native library (default: on "
+                                        "with a colocated SGLang engine, else off)")
+    offload_train_optimizer: Literal["auto", "host", "gpu"] = option(
+        "auto", "--offload-train: where the fp32 master weights and Adam moments are while the engine generates: "
+        "auto (decided at start-up: they stay on the GPU when the engine's weights and KV cache fit in its free "
+        "memory with the rest of the trainer paused, SGLang's being --sglang-mem-fraction-static of the GPU; "
+        "else host), host (copied to pinned host memory and back every step; their copies are most of the pause "
+        "and resume) or gpu (they stay resident: less memory for the engine, a transition of little more than "
+        "the compute weights' rebuild)")
     max_bad_steps: int = option(3, "stop after this many NaN/inf steps")
     sft_steps: int = option(0, "SFT warm-up optimizer steps before RL")
     sft_lr: float | None = option(None, "learning rate of the SFT warm-up (defaults to lr)")

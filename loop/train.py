@@ -61,7 +61,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
 
     from redline.loop.fault_tolerance import engine_sync
     from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
-    from redline.loop.train_offload import offload_train_enabled, train_offload
+    from redline.loop.train_offload import device_memory, engine_memory, offload_train_enabled, train_offload
     from redline.loop.parallel_sync import ModelParallelWeightSync
     from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
@@ -110,8 +110,11 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
                         f"TP={dp.state.tp} × PP={dp.state.pp} trainer)")
     console.print(f"rollout engine: {engine_name}")
     if train_cfg.offload_train:  # the engine starts beside a paused trainer, as it generates beside one
-        train_offload(device).optimizer_resident = train_cfg.offload_train_optimizer == "gpu"
-        train_offload(device).pause()
+        offload = train_offload(device)
+        offload.optimizer_resident = train_cfg.offload_train_optimizer != "host"
+        offload.pause()
+        if train_cfg.offload_train_optimizer == "auto" and not train_cfg.optimizer_cpu_offload:  # else on the host
+            offload.place_optimizer(*engine_memory(config, model.hf_config, dtype, device_memory(offload.device)[1]))
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if rollout.skipped_records:
         console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
@@ -142,8 +145,10 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
                       "(ZeRO-1)")
     console.print("training state (this rank):\n" + "\n".join(training_memory(worker, critic)))
     if train_cfg.offload_train:
+        placement = train_offload(device).placement
         console.print("--offload-train, while the engine generates:\n"
-                      + "\n".join(train_offload(device).make_plan().table()), markup=False)
+                      + "\n".join(train_offload(device).make_plan().table())
+                      + (f"\n{placement.line()}" if placement else ""), markup=False, soft_wrap=True)
     return RunState(config=config, worker=worker, rollout=rollout, engine=engine, weight_sync=weight_sync,
                     loss_cfg=loss_cfg, kl_controller=kl_controller, loop=loop, critic=critic, dp=dp), tokenizer
 

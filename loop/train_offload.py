@@ -11,14 +11,17 @@ The plan (``OffloadPlan``, made at each pause from the buffers alive then) says 
 * compute weights: dropped and rebuilt from the fp32 master weights on resume (``MasterWeights.publish``: the
   optimizer writes the compute weights as the rounded masters, so the rebuild is bit-exact) when the masters
   are in this memory; with ``--optimizer-cpu-offload`` (masters in host memory) kept in pinned host memory;
-* master weights and Adam moments: to pinned host memory (made once, reused by every later pause), or with
-  ``--offload-train-optimizer gpu`` (``optimizer_resident``) they stay: their copies, 12 bytes a parameter each
-  way over PCIe (19.2 GiB at the Qwen3-1.7B shape: ~0.4–0.8 s a direction at 25–50 GB/s), are most of the
-  pause and resume, where unmapping the rest and rebuilding the compute weights take milliseconds. Keep them
-  where the engine fits beside them (the in-process embedded engine's fixed KV cache; SGLang with a smaller
-  ``--sglang-mem-fraction-static``); send them to the host where the engine's KV cache needs their memory. The
-  run's metrics time each group (``perf/pause_train_<group>_time``, ``perf/resume_train_map_time``,
-  ``perf/resume_train_rebuild_time``) and the start-up plan table gives its bytes: the plan's cost measured.
+* master weights and Adam moments: stay on the GPU (``optimizer_resident``) or go to pinned host memory (made
+  once, reused by every later pause). Their copies, 12 bytes a parameter each way over PCIe (19.2 GiB at the
+  Qwen3-1.7B shape: 0.86 s a step on the H100), are most of the pause and resume, where unmapping the rest and
+  rebuilding the compute weights take milliseconds (51.5 ms with them resident). So ``--offload-train-optimizer
+  auto`` (the default) keeps them resident when the engine fits beside them: at start-up, paused with them
+  resident, the GPU's free memory is measured against the engine's need (``engine_memory``: SGLang's
+  ``--sglang-mem-fraction-static`` share of the GPU, or the embedded engine's weights and fixed KV cache, plus
+  ``ENGINE_HEADROOM``), and only when it does not fit do they go to the host (``place_optimizer``); ``host``
+  and ``gpu`` force either. The run's metrics time each group (``perf/pause_train_<group>_time``,
+  ``perf/resume_train_map_time``, ``perf/resume_train_rebuild_time``) and the start-up plan table gives its
+  bytes: the plan's cost measured.
 
 When. The weight push reads the compute weights, so the pause has two stages (``redline.loop.weight_sync``):
 ``pause_state`` (everything but the compute weights, then ``torch.cuda.empty_cache`` for activations and
@@ -42,8 +45,12 @@ from redline.trainer.mixed_precision import MasterWeights
 ACTIONS = {"zeros": "dropped; zeros on resume",
            "rebuild": "dropped; rebuilt from the fp32 master weights on resume",
            "host": "kept in pinned host memory",
-           "stay": "stays on the GPU (--offload-train-optimizer gpu)"}
+           "stay": "stays on the GPU (--offload-train-optimizer)"}
 STATE, WEIGHTS = "state", "weights"  # the stages: before the engine resumes its weights, after the push
+OPTIMIZER = ("masters", "moments")  # the groups --offload-train-optimizer places
+# what an engine takes beyond its weights and KV cache (CUDA context, activations, CUDA graphs): the optimizer
+# state stays only where this is free too
+ENGINE_HEADROOM = 2**30
 
 
 def offload_train_enabled(config) -> bool:
@@ -97,6 +104,26 @@ class OffloadPlan:
         return lines
 
 
+@dataclass(frozen=True)
+class OptimizerPlacement:
+    """``--offload-train-optimizer auto``'s choice at start-up: the masters and moments stay on the GPU
+    (``resident``) when the engine's need (``engine_bytes``: ``engine``'s parts, ``ENGINE_HEADROOM`` included)
+    fits in ``free_bytes``, the GPU's free memory measured with the rest of the trainer paused."""
+
+    resident: bool
+    engine_bytes: int
+    free_bytes: int
+    engine: str  # how engine_bytes was found
+
+    def line(self) -> str:
+        """The start-up line: the decision and the numbers it used."""
+        where = "stays on the GPU" if self.resident else "goes to pinned host memory"
+        verb = "fits in" if self.resident else "does not fit in"
+        return (f"optimizer state (fp32 master weights and Adam moments) {where} (--offload-train-optimizer auto): "
+                f"the engine needs {_size(self.engine_bytes)} ({self.engine}), which {verb} the "
+                f"{_size(self.free_bytes)} free with the rest paused")
+
+
 class TrainOffload:
     """The trainer's pausable state: ``allocate`` (a ``MasterWeights`` allocator), ``track`` (each
     ``MasterWeights`` made with it), then per step ``pause_state`` → ``pause_weights`` → ``resume``.
@@ -110,7 +137,8 @@ class TrainOffload:
         self.plan: OffloadPlan | None = None  # the plan of the pause in progress (None: resident)
         self.stage: str | None = None  # the last stage paused, None while resident
         self.cache_bytes = 0  # the caching allocator's reserved bytes after the state's pause (empty_cache)
-        self.optimizer_resident = False  # --offload-train-optimizer gpu: masters and moments stay on the GPU
+        self.optimizer_resident = False  # masters and moments stay on the GPU (--offload-train-optimizer)
+        self.placement: OptimizerPlacement | None = None  # --offload-train-optimizer auto's start-up choice
         # seconds of the last pause (perf/pause_train_<key>_time per group, perf/pause_train_cache_time for
         # empty_cache) or the last resume (perf/resume_train_map_time: every allocation mapped back and the kept
         # contents copied in; perf/resume_train_rebuild_time: the compute weights rebuilt), measured around
@@ -189,6 +217,22 @@ class TrainOffload:
         self.pause_state()
         self.pause_weights()
 
+    def place_optimizer(self, engine_bytes: int, engine: str) -> OptimizerPlacement:
+        """``--offload-train-optimizer auto`` at start-up, once ``pause`` ran with ``optimizer_resident`` and
+        before the engine takes its memory: the GPU's free memory measured (``device_memory``) against the
+        engine's ``engine_bytes`` (``engine``: how they were found). When they do not fit, the masters and
+        moments go to pinned host memory now and at every later pause."""
+        if self.stage != WEIGHTS or not self.optimizer_resident:
+            raise RuntimeError("TrainOffload.place_optimizer: pause with the optimizer state resident first "
+                               f"(stage {self.stage}, optimizer_resident {self.optimizer_resident})")
+        free = device_memory(self.device)[0]
+        self.placement = OptimizerPlacement(engine_bytes <= free, engine_bytes, free, engine)
+        if not self.placement.resident:
+            self.optimizer_resident = False
+            self.plan = self.make_plan()
+            self._pause([g for g in self.plan.groups if g.key in OPTIMIZER])
+        return self.placement
+
     def _pause(self, groups: list[PlanGroup]) -> None:
         """Each group on its own (its copies to pinned host waited for), timed."""
         self._synchronize()  # the queued work the first group would otherwise be charged with
@@ -234,6 +278,40 @@ class TrainOffload:
         (tensors outside pausable memory: the reference model, buffers, sync staging; with an in-process engine
         also what the engine keeps while released) and the pausable allocations still mapped."""
         return self.cache_bytes + self.memory.stats()["mapped_bytes"]
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes of the GPU as the driver sees it (every process's use counted); ``(0, 0)`` off CUDA."""
+    return tuple(torch.cuda.mem_get_info(device)) if device.type == "cuda" else (0, 0)
+
+
+def engine_memory(config, hf_config, dtype: torch.dtype, total_bytes: int) -> tuple[int, str]:
+    """``(bytes, how)``: the GPU memory the colocated engine takes while it generates, ``ENGINE_HEADROOM``
+    included, and the parts it was found from (for the start-up line). SGLang: its static share,
+    ``--sglang-mem-fraction-static`` × ``total_bytes`` (the GPU's; its weights and KV cache). The embedded engine:
+    its own ``dtype`` copy of the weights plus its KV cache, fixed by the config (K and V of every layer for
+    ``engine_rows`` rows × ``engine_seq_len`` slots and the scratch slot, as ``KVCache`` allocates it)."""
+    from redline.loop.rollout_setup import (
+        engine_rows,
+        engine_seq_len,
+        model_context,
+        resolve_engine,
+    )
+    from redline.trainer.layers import layer_backend
+    from redline.trainer.models.decoder import DecoderModel
+
+    headroom = f"{_size(ENGINE_HEADROOM)} headroom"
+    if resolve_engine(config) == "sglang":
+        fraction = config.rollout.sglang_mem_fraction_static
+        return (int(fraction * total_bytes) + ENGINE_HEADROOM,
+                f"--sglang-mem-fraction-static {fraction:g} × {_size(total_bytes)} + {headroom}")
+    meta = DecoderModel(hf_config, layer_backend("bf16"), dtype=dtype, device="meta")  # sizes only, no memory
+    weights = sum(p.numel() * p.element_size() for p in meta.parameters())
+    rows, slots = engine_rows(config), engine_seq_len(config, model_context(hf_config))
+    spec = meta.spec
+    kv = 2 * spec.num_layers * rows * spec.num_kv_heads * (slots + 1) * spec.head_dim * dtype.itemsize
+    return (weights + kv + ENGINE_HEADROOM,
+            f"weights {_size(weights)} + KV cache {_size(kv)} ({rows} rows × {slots} slots) + {headroom}")
 
 
 def train_offload(device: torch.device | str) -> TrainOffload:

@@ -194,6 +194,138 @@ def test_with_the_optimizer_resident_masters_and_moments_stay_mapped_and_trainin
         assert torch.equal(value, expected[name]), name
 
 
+# ----- --offload-train-optimizer auto: the start-up choice ---------------------------------------------------
+
+GIB = 2**30
+
+
+def resident_then_placed(memory, monkeypatch, *, free: int, engine_bytes: int):
+    """A trainer after one step, paused with its optimizer state resident as the loop starts it, then placed
+    against ``engine_bytes`` with the GPU's free memory stubbed to ``free``; returns (offload, before, state)."""
+    from redline.loop import train_offload
+
+    monkeypatch.setattr(train_offload, "device_memory", lambda device: (free, 80 * GIB))
+    offload = TrainOffload(memory)
+    model, master, optimizer = trainer(offload)
+    train_step(model, master, optimizer, 0)
+    before = state_bits(master, optimizer)
+    offload.optimizer_resident = True
+    offload.pause()
+    placement = offload.place_optimizer(engine_bytes, "stub parts")
+    return offload, before, (model, master, optimizer), placement
+
+
+def optimizer_bytes(memory, offload) -> int:
+    return sum(memory.allocation_bytes(t) for g in offload.make_plan().groups if g.key in ("masters", "moments")
+               for t in g.tensors)
+
+
+def test_auto_keeps_the_optimizer_state_on_the_gpu_when_the_engine_fits_beside_it(memory, monkeypatch):
+    offload, before, state, placement = resident_then_placed(memory, monkeypatch, free=10 * GIB,
+                                                              engine_bytes=10 * GIB)
+    assert placement.resident and offload.optimizer_resident and offload.placement is placement
+    assert memory.stats()["mapped_bytes"] == optimizer_bytes(memory, offload) > 0
+    assert memory.stats()["host_backup_bytes"] == 0
+    assert placement.line() == ("optimizer state (fp32 master weights and Adam moments) stays on the GPU "
+                                "(--offload-train-optimizer auto): the engine needs 10.00 GiB (stub parts), which "
+                                "fits in the 10.00 GiB free with the rest paused")
+    offload.resume()
+    assert state_bits(*state[1:]).keys() == before.keys()
+    for name, value in state_bits(*state[1:]).items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_auto_sends_the_optimizer_state_to_pinned_host_memory_when_the_engine_needs_its_room(memory, monkeypatch):
+    offload, before, state, placement = resident_then_placed(memory, monkeypatch, free=10 * GIB,
+                                                              engine_bytes=10 * GIB + 1)
+    assert not placement.resident and not offload.optimizer_resident
+    assert memory.stats()["mapped_bytes"] == 0  # nothing of the trainer's state left on the GPU
+    assert memory.stats()["host_backup_bytes"] == offload.plan.host_bytes > 0
+    assert [g.action for g in offload.plan.groups if g.key in ("masters", "moments")] == ["host", "host"]
+    assert placement.line() == ("optimizer state (fp32 master weights and Adam moments) goes to pinned host memory "
+                                "(--offload-train-optimizer auto): the engine needs 10.00 GiB (stub parts), which "
+                                "does not fit in the 10.00 GiB free with the rest paused")
+    offload.resume()
+    for name, value in state_bits(*state[1:]).items():
+        assert torch.equal(value, before[name]), name
+    offload.pause()  # later pauses follow the choice: the optimizer state leaves again
+    assert memory.stats()["mapped_bytes"] == 0 and "perf/pause_train_moments_time" in offload.timings
+
+
+def test_the_choice_is_made_only_while_paused_with_the_optimizer_state_resident(memory):
+    offload = TrainOffload(memory)
+    _state = trainer(offload)  # kept alive: the offload tracks it weakly
+    with pytest.raises(RuntimeError, match="pause with the optimizer state resident first"):
+        offload.place_optimizer(GIB, "stub parts")
+    offload.pause()  # optimizer_resident False: the state has left already
+    with pytest.raises(RuntimeError, match="pause with the optimizer state resident first"):
+        offload.place_optimizer(GIB, "stub parts")
+
+
+def test_sglangs_need_is_its_static_share_of_the_gpu_plus_headroom(tmp_path, monkeypatch):
+    from redline.loop import rollout_setup
+    from redline.loop.train_offload import ENGINE_HEADROOM, engine_memory
+
+    monkeypatch.setattr(rollout_setup, "resolve_engine", lambda config: "sglang")
+    config = offload_config(tmp_path, sglang_mem_fraction_static="0.25")
+    need, how = engine_memory(config, bf16_model().hf_config, torch.bfloat16, 80 * GIB)
+    assert need == 20 * GIB + ENGINE_HEADROOM
+    assert how == "--sglang-mem-fraction-static 0.25 × 80.00 GiB + 1.00 GiB headroom"
+
+
+def test_the_embedded_engines_need_is_its_weights_and_its_kv_cache_plus_headroom(tmp_path):
+    from redline.loop.rollout_setup import engine_rows, engine_seq_len
+    from redline.loop.train_offload import ENGINE_HEADROOM, engine_memory
+
+    config = offload_config(tmp_path)
+    model = bf16_model()
+    rows = engine_rows(config)
+    slots = engine_seq_len(config, model.hf_config.max_position_embeddings)
+    cache = model.make_kv_cache(rows, slots)  # what the engine allocates, measured on a real model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = cache.k.nbytes + cache.v.nbytes
+    need, how = engine_memory(config, model.hf_config, torch.bfloat16, 80 * GIB)
+    assert need == weights + kv + ENGINE_HEADROOM
+    assert f"({rows} rows × {slots} slots) + 1.00 GiB headroom" in how and how.startswith("weights ")
+
+
+@pytest.mark.parametrize("fits", [True, False], ids=["stays", "leaves"])
+def test_in_the_loop_auto_is_the_default_and_the_start_up_plan_says_what_it_chose_and_why(
+        tmp_path, monkeypatch, process_memory, fits):
+    from redline.configfile import apply_overrides
+    from redline.loop import train_offload
+    from redline.loop.builtin import materialize
+    from redline.loop.train import build
+    from rich.console import Console
+
+    free = 5 * GIB
+    monkeypatch.setattr(train_offload, "device_memory", lambda device: (free, 80 * GIB))
+    monkeypatch.setattr(train_offload, "engine_memory",
+                        lambda config, hf_config, dtype, total: (free if fits else free + 1, f"of {total} bytes"))
+    config = offload_config(tmp_path, sft_steps="0", offload_train="true", offload_rollout="true", dtype="bfloat16")
+    assert config.train.offload_train_optimizer == "auto"
+    config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
+    console = Console(record=True, width=100)
+    state, _ = build(config, console)
+    try:
+        offload, master = state.weight_sync.train, state.worker.master
+        assert offload.paused and offload.optimizer_resident is fits
+        state_bytes = {what: nbytes for what, _, nbytes, _ in master.memory_rows()}
+        optimizer = state_bytes["master weights (fp32)"] + state_bytes["Adam moments (fp32 × 2)"]
+        mapped = process_memory.stats()["mapped_bytes"]
+        assert (optimizer <= mapped < optimizer + 3 * PAGE) if fits else mapped == 0
+        lines = console.export_text().splitlines()
+        table_end = lines.index("--offload-train, while the engine generates:") + len(offload.plan.table()) + 1
+        where = "stays on the GPU" if fits else "goes to pinned host memory"
+        verb = "fits in" if fits else "does not fit in"
+        assert lines[table_end] == (f"optimizer state (fp32 master weights and Adam moments) {where} "
+                                    f"(--offload-train-optimizer auto): the engine needs "
+                                    f"{(free + (not fits)) / GIB:.2f} GiB (of {80 * GIB} bytes), which {verb} the "
+                                    f"5.00 GiB free with the rest paused")
+    finally:
+        state.loop.run_until_complete(state.engine.shutdown())
+
+
 def test_a_dropped_optimizers_moments_leave_the_plan(memory):
     offload = TrainOffload(memory)
     _, master, _ = trainer(offload)
