@@ -95,8 +95,9 @@ def main() -> int:
                                           check=False).returncode:
         print("sglang is not installed here: its runs are skipped")
         engines.remove("sglang")
-    gpus = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                          capture_output=True, text=True, check=False).stdout.strip()
+    probe = "import torch; print(torch.cuda.device_count(), torch.get_num_threads())"
+    gpus, threads = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                   check=False).stdout.split() or ["0", "?"]
     if "disaggregated" in engines and int(gpus or 0) < 2:
         print(f"{gpus or 0} GPU(s) visible: the disaggregated runs (2 GPUs) are skipped")
         engines.remove("disaggregated")
@@ -112,7 +113,11 @@ def main() -> int:
             print(f"  {results[name]}", flush=True)
     rows = [("| engine | no Ray: median step (s) | Ray: median step (s) | Ray overhead | eval reward no Ray / Ray | "
              "wall s no Ray / Ray | exit codes |"), "| --- | ---: | ---: | ---: | --- | --- | --- |"]
-    summary = {"config": args.config, "runs": results, "overhead": {}}
+    # a rank's torch threads and niceness under Ray (placement.json) against a process of its own's
+    ranks = {name: json.loads((args.out / name / "placement.json").read_text())[0]["attempts"][0]
+             for name in results if (args.out / name / "placement.json").exists()}
+    summary = {"config": args.config, "runs": results, "overhead": {}, "torch_threads_without_ray": threads,
+               "ray_rank": ranks}
     for engine in engines:
         base, ray = results[f"{engine}-no-ray"], results[f"{engine}-ray"]
         a, b = base["median perf/step_time"], ray["median perf/step_time"]
@@ -127,7 +132,9 @@ def main() -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "summary.md").write_text(
         f"# Ray's overhead on the RL step ({args.config})\n\nMedians over the steps after "
-        f"step {SKIPPED_STEPS}.\n\n" + "\n".join(rows) + "\n\n" + phase_table(results) + "\n")
+        f"step {SKIPPED_STEPS}. torch threads without Ray: {threads}; under Ray (rank 0: threads, niceness): "
+        + (", ".join(f"{n} {r.get('torch_threads')}, {r.get('niceness')}" for n, r in ranks.items()) or "–")
+        + "\n\n" + "\n".join(rows) + "\n\n" + phase_table(results) + "\n")
     print((args.out / "summary.md").read_text())
     return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
 

@@ -51,10 +51,14 @@ class TrainerRank:
         os.environ.update(env)
 
     def where(self) -> dict:
-        """Where this rank runs, as the actor sees it: its node id and process id (its engine is its child)."""
+        """Where this rank runs, as the actor sees it: its node id and process id (its engine is its child), and
+        what Ray's worker process gives it that a process of its own would not choose alike: its torch threads
+        (Ray's OMP_NUM_THREADS) and its niceness."""
         import ray
+        import torch
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "torch_threads": torch.get_num_threads(), "niceness": os.nice(0)}
 
     def run(self, config, config_path) -> int:
         from redline.loop.train import run
