@@ -4,9 +4,10 @@ Ray is a placement, not a second loop. The driver (this process) reserves one pl
 (``redline.loop.ray_placement``: one bundle per GPU, PACK, slots sorted by node and GPU id), starts one
 ``TrainerRank`` actor per slot with the environment ``torchrun`` would give it (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR = rank 0's node IP, MASTER_PORT), and each actor calls ``redline.loop.train.run``, the entry of
-``redline train``: the same data-parallel group, the same step. Each rank's engine (embedded engine, its own
-process, or an SGLang server) is started by that rank, so it lives on the rank's node and GPU; engine fault
-tolerance is on by default here (``redline.loop.fault_tolerance``).
+``redline train``: the same data-parallel group, the same step. Each rank's colocated engine (embedded engine, its
+own process, or an SGLang server) is started by that rank, so it lives on the rank's node and GPU; engine fault
+tolerance is on by default here (``redline.loop.fault_tolerance``). ``--no-colocate`` embedded engines get bundles
+of their own, wherever Ray places them (``redline.loop.ray_engines``).
 
 ``--auto-resume``: when a rank dies, every actor of the attempt is killed (the others would wait in a collective
 until ``--distributed-timeout-minutes``) and new ones continue the run from its last checkpoint (``--load`` of the

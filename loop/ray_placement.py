@@ -70,7 +70,8 @@ def rank_env(slots: list[Slot], rank: int, world: int) -> dict[str, str]:
     ``redline.loop.data_parallel.init_data_parallel`` reads it): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT on
     rank 0's node. On GPUs the rank sees the group's GPUs on its node, in GPU-id order (CUDA_VISIBLE_DEVICES, Ray
     told not to narrow it), and LOCAL_RANK is its own among them, as under ``torchrun``; with ``--no-colocate``
-    the engine bundles' GPUs follow the trainer's, so they are cuda:1 ... cuda:N to it. On CPU bundles LOCAL_RANK
+    the engine bundles' GPUs on its node follow the trainer's, cuda:1 ... to it (the SGLang servers it launches
+    use them; embedded engines run in actors of their own, ``redline.loop.ray_engines``). On CPU bundles LOCAL_RANK
     is its index among its node's ranks."""
     slot = slots[rank]
     env = {"RANK": str(rank), "WORLD_SIZE": str(world),
