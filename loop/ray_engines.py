@@ -12,6 +12,7 @@ the trainer rank's node IP (``weight_group_address``), which the engines' nodes 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -55,19 +56,51 @@ class EngineHost:
 
 
 class RayEngine:
-    """An ``Engine`` whose calls run in an ``EngineHost`` actor (``await`` on the actor's result)."""
+    """An ``Engine`` whose calls run in an ``EngineHost`` actor (``await`` on the actor's result).
+
+    ``generate`` calls made in one turn of the event loop (the loop makes one per sample, a rollout's at once) go to
+    the actor as one call: an actor call costs about half a millisecond of the trainer's time, so 200 of them took
+    108 ms per rollout on the CPU, one batched call 3 ms. Each request keeps its own seed, so batching changes no answer."""
 
     weight_group_size = 1  # as the engine process it hosts: one device in the weight-update group
     joins_checksum_comparison = True
 
     def __init__(self, actor, where: dict):
         self.actor, self.where = actor, where
+        self._queued: list | None = None  # this turn's (requests, future) pairs, sent once the turn ends
+        self._sending: set[asyncio.Task] = set()  # batches in flight (held here: the loop keeps weak references)
 
     async def _call(self, method: str, *args):
         return await self.actor.call.remote(method, *args)
 
     async def generate(self, requests):
-        return await self._call("generate", requests)
+        loop = asyncio.get_running_loop()
+        if self._queued is None:
+            self._queued = []
+            loop.call_soon(self._send)  # after every caller already scheduled in this turn has queued
+        answer = loop.create_future()
+        self._queued.append((list(requests), answer))
+        return await answer
+
+    def _send(self) -> None:
+        queued, self._queued = self._queued, None
+        batch = [request for requests, _ in queued for request in requests]
+        task = asyncio.ensure_future(self._deliver(self._call("generate", batch), queued))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    @staticmethod
+    async def _deliver(results, queued) -> None:
+        try:
+            results = await results
+        except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the engine's error
+            for _, answer in queued:
+                answer.done() or answer.set_exception(exc)
+            return
+        first = 0
+        for requests, answer in queued:
+            answer.done() or answer.set_result(results[first:first + len(requests)])  # a cancelled caller: skipped
+            first += len(requests)
 
     async def join_weight_group(self, *args) -> None:
         await self._call("join_weight_group", *args)
