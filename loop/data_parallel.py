@@ -240,10 +240,9 @@ def init_data_parallel(timeout_minutes: float, tp: int = 1, pp: int = 1, sp: boo
 def model_parallel_group(state) -> object:
     """The process group of this rank's TP × PP ranks (those of its DP coordinate), ordered stage-major with the
     leader (TP rank 0 of the first stage) first. Every process creates every group, in the same order."""
-    ranks = state.mesh.mesh  # [pp, dp, tp] global ranks
-    mine = None
+    size, mine = state.config.model_parallel, None
     for d in range(state.config.dp):
-        group = dist.new_group(ranks[:, d, :].flatten().tolist())
+        group = dist.new_group(list(range(d * size, d * size + size)))  # ParallelConfig.global_rank's order
         if d == state.dp_rank:
             mine = group
     return mine

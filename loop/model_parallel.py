@@ -39,7 +39,7 @@ def lm_head_leader(model) -> int:
     """The global rank of the first of the ranks that run the LM head (``holds_lm_head``): rank 0, or under
     pipeline parallelism DP and TP rank 0 of the last stage."""
     state = pipeline_state(model)
-    return 0 if state is None else int(state.mesh.mesh[state.pp - 1, 0, 0])
+    return 0 if state is None else state.config.global_rank(0, state.pp - 1, 0)
 
 
 def padded_stream(model, batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from redline.trainer.parallel.async_tp import check_tp_overlap
 
+MESH_DIMS = ("dp", "pp", "tp")  # outermost first: the rank order of ``ParallelConfig.global_rank``
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -31,8 +33,23 @@ class ParallelConfig:
             raise ValueError("ParallelConfig.sp=True needs tp > 1 (sequence parallelism splits over the TP group)")
         check_tp_overlap(self.tp_overlap, self.sp)
 
+    @property
+    def model_parallel(self) -> int:
+        """Ranks in one model-parallel group (``tp * pp``): one data-parallel replica of the model."""
+        return self.tp * self.pp
+
+    def global_rank(self, dp: int, pp: int, tp: int) -> int:
+        """The global rank at mesh coordinates ``(dp, pp, tp)``: ``dp·(pp·tp) + pp_rank·tp + tp_rank``. Data
+        parallelism outermost so each model-parallel group is a block of consecutive ranks (on one node when
+        its size divides the node's processes): a colocated engine of several GPUs sits on whole groups, its
+        GPUs consecutive as SGLang's ``--base-gpu-id`` takes them."""
+        for name, value, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} coordinate {value} outside 0..{size - 1}")
+        return (dp * self.pp + pp) * self.tp + tp
+
     def build(self, device_type: str | None = None) -> "ParallelState":
-        """Create the TP/PP/DP groups (ranks ordered tp fastest, then dp, then pp, as Megatron)."""
+        """Create the TP/PP/DP groups, ranks ordered as ``global_rank`` (tp fastest, then pp, dp outermost)."""
         if not dist.is_initialized():
             raise RuntimeError("ParallelConfig.build needs torch.distributed initialised (run under torchrun)")
         world = dist.get_world_size()
@@ -40,7 +57,7 @@ class ParallelConfig:
             raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} != world size {world}")
         # the backend's device, not whether a GPU exists: gloo ranks on a GPU machine hold CPU tensors
         device_type = device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
-        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIMS)
         return ParallelState(self, mesh)
 
 
