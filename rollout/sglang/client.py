@@ -24,6 +24,9 @@ SESSION_API_VERSION = Version("0.5.21")
 # first.
 KEEPALIVE_SECONDS = 3.0
 FLUSH_RETRIES = 60  # slime and NeMo-RL retry a busy flush for about a minute
+# SGLang's ``--weight-version`` default, reported until an update names a version: the weights the server started
+# with, which redline counts as the engine's version before its first push (policy version "0").
+SERVER_START_VERSION = "default"
 
 
 class SGLangError(RuntimeError):
@@ -43,7 +46,9 @@ def sampling_payload(request: GenerateRequest) -> dict:
 
 
 def parse_generate(body: dict, fallback_version: str) -> GenerateResult:
-    """A ``GenerateResult`` from one ``/generate`` answer (tokens and log-probs both from the log-prob list)."""
+    """A ``GenerateResult`` from one ``/generate`` answer (tokens and log-probs both from the log-prob list);
+    its weight version is the server's, or ``fallback_version`` (the engine's) where the server reports none or
+    still its start-up ``SERVER_START_VERSION`` (async rollout counts staleness in integer policy versions)."""
     try:
         meta = body["meta_info"]
         pairs = meta["output_token_logprobs"]
@@ -56,8 +61,10 @@ def parse_generate(body: dict, fallback_version: str) -> GenerateResult:
         finish = FinishReason(kind)
     except ValueError as exc:
         raise SGLangError(f"/generate answered an unknown finish reason {reason!r}") from exc
+    reported = meta.get("weight_version")
+    version = fallback_version if reported in (None, "", SERVER_START_VERSION) else str(reported)
     return GenerateResult(output_ids=[int(p[1]) for p in pairs], logp=[float(p[0]) for p in pairs],
-                          finish_reason=finish, weight_version=str(meta.get("weight_version") or fallback_version))
+                          finish_reason=finish, weight_version=version)
 
 
 class SGLangClient:
