@@ -185,3 +185,57 @@ def fake_sglang_process(version="0.5.17", server_cls=FakeSGLang, **options):
         process.join(timeout=10)
         if process.is_alive():
             process.kill()
+
+
+class InterruptibleSGLang(FakeSGLang):
+    """A ``FakeSGLang`` that generates one token per ``tick`` seconds and pauses as SGLang does with
+    ``/pause_generation {"mode": "abort"}``: every running request ends (finish reason "abort", with the tokens it
+    has, reporting the weight version that made them) and the call answers once none runs; a request that arrives
+    while paused waits for ``/continue_generation``. It refuses a weight update while a request runs (HTTP 400),
+    so a push that overlaps generation fails the caller."""
+
+    def __init__(self, tick=0.002, **options):
+        super().__init__(**options)
+        self.tick = tick
+        self.state = threading.Condition()
+        self.paused, self.running, self.aborts = False, 0, 0
+
+    def route(self, path, body):
+        if path == "/generate":
+            return self.generate(body)
+        if path == "/pause_generation":
+            with self.state:
+                self.paused, self.aborts = True, self.aborts + ((body or {}).get("mode") == "abort")
+                self.state.wait_for(lambda: self.running == 0)
+            return 200, None
+        if path == "/continue_generation":
+            with self.state:
+                self.paused = False
+                self.state.notify_all()
+            return 200, None
+        if path in ("/update_weights_from_distributed", "/update_weights_from_tensor") and self.running:
+            return 400, {"success": False, "message": f"weight update while {self.running} requests generate"}
+        return super().route(path, body)
+
+    def generate(self, body):
+        n = body["sampling_params"]["max_new_tokens"]
+        with self.state:
+            self.state.wait_for(lambda: not self.paused)
+            self.running += 1
+            aborts = self.aborts
+        try:
+            out, reason = [], "length"
+            for token in list(reversed(body["input_ids"]))[:n]:
+                time.sleep(self.tick)
+                with self.state:
+                    if self.aborts != aborts:
+                        reason = "abort"
+                        break
+                out.append(token)
+            version = self.weight_version
+        finally:
+            with self.state:
+                self.running -= 1
+                self.state.notify_all()
+        return 200, {"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in out],
+                                   "finish_reason": {"type": reason}, "weight_version": version}}
