@@ -4,8 +4,10 @@ The step (``redline.loop.step.rl_step``) is the same in every schedule: it asks 
 its batch, trains on it between ``overlap_begin()`` and ``overlap_end()``, then calls
 ``state.weight_sync.push``. An async schedule puts wrappers in place of ``state.rollout`` and
 ``state.weight_sync`` that give those calls its meaning, and runs the event loop in a helper thread while the
-trainer trains in this one, so the engines keep generating in processes of their own: ``--no-colocate``, or on
-one GPU an embedded engine process beside the trainer (``--embedded-engine-process``, weights by CUDA IPC):
+trainer trains in this one, so the engines keep generating in processes of their own: ``--no-colocate`` (embedded
+engine processes, or SGLang servers launched or attached, whose HTTP requests the loop keeps running; weights by
+the disaggregated broadcast), or on one GPU an embedded engine process beside the trainer
+(``--embedded-engine-process``, weights by CUDA IPC):
 
 * ``off`` (``Synchronous``): generate → train → push, in series.
 * ``one-step`` (``OneStepOff``, slime's ``train_async.py``): ``generate`` hands over rollout k, generated while
@@ -61,6 +63,12 @@ def check_async(config, world_size: int = 1) -> None:
                 raise ConfigError(f"{flag} applies to --async-rollout one-step or full; without it the step pushes "
                                   "after every rollout")
         return
+    from redline.loop.rollout_setup import resolve_engine
+
+    if config.parallel.colocate and resolve_engine(config) == "sglang":
+        raise ConfigError(f"--async-rollout {mode} with --rollout-engine sglang needs --no-colocate (servers launched "
+                          f"on GPUs of their own, or attached with --sglang-server-urls): a colocated SGLang server "
+                          f"takes turns with the trainer on its GPU, so nothing would generate while it trains")
     if config.parallel.colocate and not (r.embedded_engine_process and r.rollout_engine == "embedded"):
         raise ConfigError(f"--async-rollout {mode} needs --no-colocate: the engines generate in processes (on GPUs) "
                           f"of their own while the trainer trains, and a colocated engine shares the trainer's "

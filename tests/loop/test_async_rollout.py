@@ -44,6 +44,11 @@ def test_async_rollout_is_refused_colocated_naming_both_flags(tmp_path):
     for mode in ("one-step", "full"):
         with pytest.raises(ConfigError, match=f"--async-rollout {mode} needs --no-colocate"):
             check_async(small_config(tmp_path, async_rollout=mode))
+        with pytest.raises(ConfigError, match=f"--async-rollout {mode} with --rollout-engine sglang needs "
+                                              f"--no-colocate .*--sglang-server-urls"):
+            check_async(small_config(tmp_path, async_rollout=mode, rollout_engine="sglang"))
+    check_async(small_config(tmp_path, async_rollout="full", rollout_engine="sglang", colocate="false",
+                             sglang_server_urls="http://127.0.0.1:30000"))
 
 
 def test_on_one_gpu_the_engine_may_be_a_second_process_that_keeps_its_memory(tmp_path):
