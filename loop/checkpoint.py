@@ -2,11 +2,11 @@
 
 Layout under ``<output_dir>/checkpoints/``: ``rollout_<N>/model/`` (HF safetensors + config + tokenizer, loadable
 by transformers), ``rollout_<N>/state.{json,safetensors}`` (what every rank shares: optimizer, scheduler,
-counters, the parallel layout ``{"dp", "tp", "pp"}`` it was saved at), ``rollout_<N>/rank<r>.{json,safetensors}``
-per process (global rank ``r``: its optimizer shard, data position and RNG states), and ``latest`` naming the
-newest ``rollout_<N>``. Under TP/PP the model is gathered into the HF directory (rank 0 writes it) and each
-process's shard of the fp32 master weights and moments sits in its ``rank<r>`` state: the sharded state, loaded
-back at the same layout only (``saved_layout``). The state files are ``redline.loop.state_file``'s format:
+counters, the parallel layout ``{"dp", "tp", "pp"}`` it was saved at and, under DP × PP, the ``rank_order``),
+``rollout_<N>/rank<r>.{json,safetensors}`` per process (global rank ``r``: its optimizer shard, data position and
+RNG states), and ``latest`` naming the newest ``rollout_<N>``. Under TP/PP the model is gathered into the HF
+directory (rank 0 writes it) and each process's shard of the fp32 master weights and moments sits in its
+``rank<r>`` state: the sharded state, loaded back at the same layout (``saved_layout``) and rank order only. The state files are ``redline.loop.state_file``'s format:
 tensors in safetensors, the rest in JSON, so loading a folder from elsewhere never unpickles anything. Folders
 of the older pickle format (``state.pt``) are refused with a message saying so: a pickle can run code when
 loaded, and ``torch.load(weights_only=True)`` does not take their numpy RNG states.
@@ -21,6 +21,9 @@ import torch
 
 from redline.loop import state_file
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
+from redline.trainer.parallel.config import MESH_DIMS
+
+RANK_ORDER = ",".join(MESH_DIMS)  # the mesh's dimensions, outermost first: which rank<r> holds which shard
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -60,7 +63,8 @@ def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict, r
             model.save_pretrained(tmp / "model")
         copy_tokenizer(tokenizer_dir, tmp / "model")
         layout = {"dp": dp.world, "tp": dp.state.tp if dp.state else 1, "pp": dp.state.pp if dp.state else 1}
-        state_file.save(tmp / "state", {**state, "rollout_id": rollout_id, "layout": layout})
+        order = {"rank_order": RANK_ORDER} if layout["dp"] > 1 and layout["pp"] > 1 else {}  # else either order
+        state_file.save(tmp / "state", {**state, "rollout_id": rollout_id, "layout": layout, **order})
     dp.barrier()
     if dp.is_main:
         shutil.rmtree(folder, ignore_errors=True)
@@ -104,6 +108,13 @@ def saved_layout(folder: Path) -> dict[str, int]:
     """The ``{"dp", "tp", "pp"}`` layout a checkpoint was saved at (folders from before TP/PP: data-parallel
     only, one ``rank<r>`` state per rank)."""
     return state_file.load(Path(folder) / "state").get("layout") or {"dp": saved_ranks(folder), "tp": 1, "pp": 1}
+
+
+def saved_rank_order(folder: Path) -> str:
+    """How the global ranks of a DP × PP checkpoint (both > 1) map to mesh coordinates, outermost first:
+    ``RANK_ORDER``, or ``"pp,dp,tp"`` for folders from before data parallelism went outermost (which recorded
+    none). With DP or PP of 1 the two orders are the same."""
+    return state_file.load(Path(folder) / "state").get("rank_order", "pp,dp,tp")
 
 
 def load_state(folder: Path, dp: DataParallel = SINGLE_PROCESS) -> tuple[dict, dict]:

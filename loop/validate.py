@@ -262,7 +262,7 @@ def check_load(load, layout: dict[str, int]) -> None:
     """``--load``: a checkpoint exists there, saved at this run's parallel layout (each process resumes its own
     optimizer shard and data position from its ``rank<r>`` state; a checkpoint of another DP/TP/PP layout is
     refused, naming both, rather than resharded)."""
-    from redline.loop.checkpoint import resolve, saved_layout
+    from redline.loop.checkpoint import RANK_ORDER, resolve, saved_layout, saved_rank_order
 
     try:
         folder = resolve(load)
@@ -274,6 +274,11 @@ def check_load(load, layout: dict[str, int]) -> None:
                           f"{describe_layout(layout)} (--tensor-model-parallel-size, "
                           f"--pipeline-model-parallel-size, torchrun processes); resume at the saved layout: "
                           f"optimizer shards are not resharded")
+    if saved["dp"] > 1 and saved["pp"] > 1 and saved_rank_order(folder) != RANK_ORDER:
+        raise ConfigError(f"--load {folder}: saved at {describe_layout(saved)} with ranks ordered "
+                          f"{saved_rank_order(folder)} (outermost first); redline now orders them {RANK_ORDER}, so "
+                          f"each rank<r> state belongs to other mesh coordinates: resume it with the redline that "
+                          f"saved it")
 
 
 def check_data_parallel(config, world_size: int) -> None:

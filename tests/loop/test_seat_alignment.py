@@ -90,3 +90,48 @@ def test_two_seats_per_group_are_not_whole_groups():
 def test_global_rank_checks_coordinates():
     with pytest.raises(ValueError, match="pp coordinate 2 outside 0..1"):
         ParallelConfig(tp=2, pp=2, dp=2).global_rank(0, 2, 0)
+
+
+def test_checkpoint_of_the_older_rank_order_is_refused(tmp_path):
+    """A DP × PP checkpoint records its rank order; one from before DP went outermost (none recorded) is refused
+    at start-up, since its ``rank<r>`` states belong to other mesh coordinates now."""
+    from redline.configfile import ConfigError
+    from redline.loop import state_file
+    from redline.loop.checkpoint import RANK_ORDER, saved_rank_order
+    from redline.loop.validate import check_load
+
+    layout = {"dp": 2, "tp": 1, "pp": 2}
+    folder = tmp_path / "rollout_3"
+    folder.mkdir()
+    (tmp_path / "latest").write_text("rollout_3")
+    state_file.save(folder / "state", {"rollout_id": 3, "layout": layout})
+    assert saved_rank_order(folder) == "pp,dp,tp"
+    with pytest.raises(ConfigError, match=r"ranks ordered pp,dp,tp .*redline now orders them dp,pp,tp"):
+        check_load(tmp_path, layout)
+    state_file.save(folder / "state", {"rollout_id": 3, "layout": layout, "rank_order": RANK_ORDER})
+    check_load(tmp_path, layout)
+    state_file.save(folder / "state", {"rollout_id": 3, "layout": {"dp": 2, "tp": 2, "pp": 1}})
+    check_load(tmp_path, {"dp": 2, "tp": 2, "pp": 1})  # without PP both orders are the same
+
+
+class _GatheredModel:
+    def save_pretrained(self, folder, write):
+        if write:
+            folder.mkdir(parents=True)
+
+
+def test_checkpoint_saved_at_dp_times_pp_records_its_rank_order(tmp_path):
+    """Rank 0 of DP=2 × PP=2 (fake process group: the barriers pass at once) writes ``rank_order`` beside the
+    layout, and ``check_load`` takes the folder back at that layout."""
+    from redline.loop import checkpoint
+    from redline.loop.validate import check_load
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        state = ParallelConfig(pp=2, dp=2).build("cpu")
+        dp = DataParallel(rank=state.dp_rank, world=2, state=state, mp_group=model_parallel_group(state))
+        folder = checkpoint.save(tmp_path, 3, _GatheredModel(), tmp_path, {}, {}, dp)
+    finally:
+        dist.destroy_process_group()
+    assert checkpoint.saved_rank_order(folder) == "dp,pp,tp" == checkpoint.RANK_ORDER
+    check_load(tmp_path, {"dp": 2, "tp": 1, "pp": 2})
