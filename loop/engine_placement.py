@@ -5,10 +5,12 @@ consecutive ranks of one node: engine ``e`` on global ranks ``e·N .. e·N + N -
 GPU of rank ``e·N + i`` (SGLang puts TP rank ``i`` on ``--base-gpu-id + i``). The first of those ranks launches
 the server and makes its control calls; each of the N ranks hands its engine TP rank its own GPU's copy of every
 weight bucket (``redline.sync.sglang.gather_rank_payloads``, over a gloo group of the N ranks). Under a TP/PP trainer
-(one engine per model-parallel group, on its leader) N is a multiple of TP × PP, so every engine's leader leads a
-model-parallel group; each rank of the seat gets each bucket's full tensors on its own GPU, one (bucket, stage)
-part at a time: gathered over TP by the part's stage, broadcast to the other stages' ranks
-(``redline.loop.parallel_sync.seat_parts``). Ranks of a seat that generate (data-parallel ranks, or
+(one engine per model-parallel group, on its leader) N is a multiple of TP × PP; the mesh puts data parallelism
+outermost (``ParallelConfig.global_rank``), so a model-parallel group is TP × PP consecutive ranks and engine ``e``
+spans exactly the groups of DP ranks ``e·N/(TP·PP) ..``: its leader leads the first of them and the leaders of
+all of them generate on it (every launched engine is used). Each rank of the seat gets each bucket's full tensors
+on its own GPU, one (bucket, stage) part at a time: gathered over TP by the part's stage, broadcast to the other
+stages' ranks (``redline.loop.parallel_sync.seat_parts``). Ranks of a seat that generate (data-parallel ranks, or
 the leaders of the other model-parallel groups in it) send their requests to the leader's server.
 
 Disaggregated (``--no-colocate``): the trainer on ``cuda:0``, ``--rollout-num-gpus / N`` engines on the next GPUs,

@@ -35,7 +35,7 @@ def test_group_stream_and_pipeline_logprobs_match_one_process(even_vocab_model, 
         mp.spawn(group_export_worker, args=(str(tmp_path / "store"), str(even_vocab_model), 2, 2, sizes, results),
                  nprocs=4, join=True)
         results = dict(results)
-    leader_rank = 0  # tp fastest, then dp, then pp: rank 0 is TP rank 0 of the first stage
+    leader_rank = 0  # tp fastest, then pp, dp outermost: rank 0 is TP rank 0 of the first stage
     for size in sizes:
         plans = {rank: results[rank]["plans"][size] for rank in results}
         names, plan_names, worst = plans[leader_rank]["leader"]
