@@ -51,8 +51,10 @@ def parse_generate(body: dict, fallback_version: str) -> GenerateResult:
     still its start-up ``SERVER_START_VERSION`` (async rollout counts staleness in integer policy versions)."""
     try:
         meta = body["meta_info"]
-        pairs = meta["output_token_logprobs"]
         reason = meta["finish_reason"]
+        # a request aborted before its prefill (a pause caught it queued) answers without a log-prob list
+        aborted_early = isinstance(reason, dict) and reason.get("type") == FinishReason.ABORT.value
+        pairs = meta.get("output_token_logprobs", []) if aborted_early else meta["output_token_logprobs"]
     except (KeyError, TypeError) as exc:
         raise SGLangError(f"/generate answer lacks {exc}; was return_logprob honoured? got keys "
                           f"{sorted(body) if isinstance(body, dict) else type(body).__name__}") from exc

@@ -64,8 +64,9 @@ def test_one_step_generates_the_next_rollout_while_training_and_pushes_between_r
 
 @pytest.mark.slow
 def test_full_interrupts_requests_at_each_push_and_continues_them_within_the_bound(tmp_path):
-    with fake_sglang_process("0.5.23", server_cls=InterruptibleSGLang, tick=0.004) as url:
-        metrics, trained = run_steps(tmp_path, url, async_rollout="full", max_staleness="1")
+    # two batches in flight: while the trainer trains and pushes, the next batch's requests are generating
+    with fake_sglang_process("0.5.23", server_cls=InterruptibleSGLang, tick=0.08) as url:
+        metrics, trained = run_steps(tmp_path, url, async_rollout="full", max_staleness="1", max_inflight="40")
         paths = received_paths(url)
     assert all(m["rollout/staleness_max"] <= 1 for m in metrics)
     assert all(m["rollout/samples"] == 20.0 and len(s) == 20 for m, s in zip(metrics, trained))

@@ -237,5 +237,8 @@ class InterruptibleSGLang(FakeSGLang):
             with self.state:
                 self.running -= 1
                 self.state.notify_all()
+        if reason == "abort" and not out:  # SGLang's answer for a request aborted before its prefill
+            return 200, {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Abort before "
+                                                   "prefill"}, "prompt_tokens": 0, "completion_tokens": 0}}
         return 200, {"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in out],
                                    "finish_reason": {"type": reason}, "weight_version": version}}

@@ -40,6 +40,17 @@ def test_generate_sends_ids_and_parses_logprobs():
         (0.5, 2, ["\n"], 3, True)
 
 
+def test_an_answer_aborted_before_prefill_has_no_tokens_and_other_answers_need_the_log_prob_list():
+    # SGLang's answer to a request a pause aborted while it was still queued: no output_token_logprobs
+    aborted = {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                                         "prompt_tokens": 0, "completion_tokens": 0}}
+    result = client_module.parse_generate(aborted, "3")
+    assert (result.output_ids, result.logp, result.finish_reason, result.weight_version) == \
+        ([], [], FinishReason.ABORT, "3")
+    with pytest.raises(client_module.SGLangError, match="lacks 'output_token_logprobs'"):
+        client_module.parse_generate({"meta_info": {"finish_reason": {"type": "length"}}}, "3")
+
+
 def bucket():
     return SerializedBucket(per_rank=("payload",))
 
