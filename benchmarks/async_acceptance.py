@@ -18,8 +18,10 @@ Placement (``--placement``): ``one-gpu`` (the default on a machine with one GPU)
 engine share the GPU as two processes (``--embedded-engine-process``: weights by CUDA IPC, the engine keeps its
 memory: no ``--offload-rollout``), the async modes generating in the engine's process while the trainer trains
 in its own; ``two-gpus`` (the default with two or more GPUs): ``--no-colocate``, the trainer on GPU 0 and the
-engine process on GPU 1, weights by NCCL broadcast; ``cpu``: ``--no-colocate`` engine processes on the CPU. The
-synchronous baseline runs in the same placement, so the three differ only by the schedule.
+engine process on GPU 1, weights by NCCL broadcast; ``sglang-two-gpus`` (asked for by name; needs SGLang
+installed): the same with an SGLang server launched on GPU 1 (``--sglang-mem-fraction-static 0.85``, the GPU is
+its own); ``cpu``: ``--no-colocate`` engine processes on the CPU. The synchronous baseline runs in the same
+placement, so the three differ only by the schedule.
 
 Per run: ``OUTDIR/<shape>-<mode>/`` (metrics.jsonl, report.md) and ``OUTDIR/<shape>-<mode>.log``. Then
 ``OUTDIR/async_acceptance.json`` and ``.md``: the medians over the steps after the first two (warm-up) of
@@ -53,6 +55,8 @@ PLACEMENTS = {
     "two-gpus": ["--no-colocate", "--rollout-engine", "embedded", "--rollout-num-gpus", "1",
                  "--no-offload-rollout"],
     "cpu": ["--no-colocate", "--rollout-engine", "embedded", "--no-offload-rollout"],
+    "sglang-two-gpus": ["--no-colocate", "--rollout-engine", "sglang", "--rollout-num-gpus", "1",
+                        "--sglang-mem-fraction-static", "0.85", "--no-offload-rollout"],
 }
 TARGET = 1.1
 WARMUP_STEPS = 2  # CUDA graphs, allocator growth, the first pending rollout: left out of the medians

@@ -12,7 +12,7 @@ sys.path.insert(0, str(BENCH))
 import async_acceptance as acceptance
 
 
-@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus", "cpu"])
+@pytest.mark.parametrize("placement", ["one-gpu", "two-gpus", "cpu", "sglang-two-gpus"])
 def test_every_launch_parses_and_passes_the_start_up_checks(placement):
     for shape in acceptance.SHAPES:
         for mode in acceptance.MODES:
