@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from redline.loop import warmup
+from redline.trainer.parallel import ParallelConfig
 
 
 def test_synthetic_batch_is_a_packed_micro_batch_of_the_asked_size():
@@ -308,15 +309,16 @@ def test_rank_0_tunes_and_the_other_ranks_compile_its_choices_without_timing(tmp
     pytest.param((1, 2, 2), marks=pytest.mark.slow)], ids=["tp2-pp2", "pp2-dp2"])
 def test_under_pipeline_parallelism_the_last_stage_tunes_once_and_every_head_rank_takes_its_choices(tmp_path,
                                                                                                     layout):
-    """4 gloo ranks (the run's mesh, TP fastest, then DP, then PP): the last stage owns the LM head, so its first
+    """4 gloo ranks (the run's mesh, TP fastest, then PP, DP outermost): the last stage owns the LM head, so its first
     rank (DP and TP rank 0 of the last stage) alone times the key and writes the table; the last stage's other
     ranks hold its choice before they compile it; the first stage never reads the head nor compiles; every rank
     reports the same metrics and prints the table's line (rank 0's console is the one a run shows)."""
     tp, pp, dp = layout
     results = _tuning_ranks(tmp_path, tp, pp, dp)
-    last_stage = set(range((pp - 1) * dp * tp, pp * dp * tp))  # ranks are pp-major in the mesh
+    mesh = ParallelConfig(tp=tp, pp=pp, dp=dp)
+    last_stage = {mesh.global_rank(d, pp - 1, t) for d in range(dp) for t in range(tp)}
     leader = min(last_stage)
-    assert leader == 2 and last_stage == {2, 3}
+    assert leader == mesh.global_rank(0, pp - 1, 0) and last_stage == ({2, 3} if dp == 1 else {1, 3})
     chosen = results[leader]["holds"]
     assert len(results[leader]["timed"]) == 1 and results[leader]["seen"] == [{}]
     assert list(chosen) == [str(tuple(results[leader]["timed"][0]))]
