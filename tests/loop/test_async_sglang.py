@@ -11,16 +11,16 @@ from rich.console import Console
 
 pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
 
-from redline.configfile import apply_overrides  # noqa: E402
-from redline.loop.builtin import materialize  # noqa: E402
-from redline.loop.step import rl_step  # noqa: E402
-from redline.loop.train import build, shutdown  # noqa: E402
+from redline.configfile import apply_overrides
+from redline.loop.builtin import materialize
+from redline.loop.step import rl_step
+from redline.loop.train import build, shutdown
 
-from tests.rollout.fake_sglang import InterruptibleSGLang, fake_sglang_process  # noqa: E402
+from tests.rollout.fake_sglang import InterruptibleSGLang, fake_sglang_process
 
-from .test_disaggregated import DISAGGREGATED  # noqa: E402
-from .test_sglang_disaggregated import received_paths  # noqa: E402
-from .test_train import small_config  # noqa: E402
+from .test_disaggregated import DISAGGREGATED
+from .test_sglang_disaggregated import received_paths
+from .test_train import small_config
 
 STEPS = 4
 
