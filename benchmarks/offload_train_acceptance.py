@@ -13,7 +13,8 @@
    ``--offload-train`` pauses the compute weights and gradients), ``--steps`` RL steps each, with
    ``--no-offload-train``, with ``--offload-train --offload-train-optimizer host`` and (masters and moments on the
    GPU only) with
-   ``--offload-train --offload-train-optimizer gpu`` (they stay resident: the plan's other choice); a run that fails or passes ``--run-timeout`` is reported
+   ``--offload-train --offload-train-optimizer gpu`` (they stay resident: the plan's other choice); a run that
+   fails or passes ``--run-timeout`` is reported
    as such, with its last error line;
 3. writes OUTDIR/<shape>-<mode>/ (metrics.jsonl, report.md with the phase plot), OUTDIR/<shape>-<mode>.log,
    OUTDIR/summary.md and OUTDIR/summary.json: per run the medians over the steps after the first of every

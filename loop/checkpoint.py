@@ -6,7 +6,8 @@ counters, the parallel layout ``{"dp", "tp", "pp"}`` it was saved at and, under 
 ``rollout_<N>/rank<r>.{json,safetensors}`` per process (global rank ``r``: its optimizer shard, data position and
 RNG states), and ``latest`` naming the newest ``rollout_<N>``. Under TP/PP the model is gathered into the HF
 directory (rank 0 writes it) and each process's shard of the fp32 master weights and moments sits in its
-``rank<r>`` state: the sharded state, loaded back at the same layout (``saved_layout``) and rank order only. The state files are ``redline.loop.state_file``'s format:
+``rank<r>`` state: the sharded state, loaded back at the same layout (``saved_layout``) and rank order only. The
+state files are ``redline.loop.state_file``'s format:
 tensors in safetensors, the rest in JSON, so loading a folder from elsewhere never unpickles anything. Folders
 of the older pickle format (``state.pt``) are refused with a message saying so: a pickle can run code when
 loaded, and ``torch.load(weights_only=True)`` does not take their numpy RNG states.

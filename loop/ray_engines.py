@@ -60,7 +60,8 @@ class RayEngine:
 
     ``generate`` calls made in one turn of the event loop (the loop makes one per sample, a rollout's at once) go to
     the actor as one call: an actor call costs about half a millisecond of the trainer's time, so 200 of them took
-    108 ms per rollout on the CPU, one batched call 3 ms. Each request keeps its own seed, so batching changes no answer."""
+    108 ms per rollout on the CPU, one batched call 3 ms. Each request keeps its own seed, so batching changes no
+    answer."""
 
     weight_group_size = 1  # as the engine process it hosts: one device in the weight-update group
     joins_checksum_comparison = True

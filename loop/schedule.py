@@ -12,7 +12,8 @@ from redline.trainer.mixed_precision import MasterWeights, MixedPrecisionAdamW
 def master_weights_for(model, cfg: TrainConfig, dp: DataParallel = SINGLE_PROCESS) -> MasterWeights | None:
     """fp32 master weights and gradients for ``model`` when it trains below fp32, under torchrun (the master
     shards are ZeRO-1's over DP; TP/PP gradients are finalised there) or with ``--optimizer-cpu-offload``; None:
-    a single-process fp32 model steps its own parameters. With ``--offload-train`` always, their device buffers in the process's pausable memory
+    a single-process fp32 model steps its own parameters. With ``--offload-train`` always, their device buffers in
+    the process's pausable memory
     (``redline.loop.train_offload``)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if cfg.offload_train:

@@ -368,7 +368,8 @@ def check_distributed_timeout(config) -> None:
 
 def check_placement(config, world_size: int = 1) -> None:
     """One process; or ``world_size`` processes under ``torchrun``: DP × TP × PP (``check_world_size``,
-    ``check_model_parallel``), each data-parallel rank with its colocated engine; or (one process) with ``--no-colocate`` engines on other GPUs — embedded engine
+    ``check_model_parallel``), each data-parallel rank with its colocated engine; or (one process) with
+    ``--no-colocate`` engines on other GPUs — embedded engine
     processes (also on the CPU of a CPU machine) or SGLang servers, launched or attached — weights pushed by
     broadcast."""
     import torch

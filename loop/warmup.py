@@ -124,8 +124,8 @@ def settle_step(clock: CompileClock, step: int, dp) -> tuple[dict[str, float], l
 
 
 def synthetic_batch(n_tokens: int, vocab: int, generator: torch.Generator, with_ref: bool) -> MicroBatch:
-    """A packed micro-batch of ``n_tokens`` token ids below ``vocab`` in ``SEQUENCE``-token sequences, every position but each sequence's first in the loss,
-    with the per-token values a policy loss reads."""
+    """A packed micro-batch of ``n_tokens`` token ids below ``vocab`` in ``SEQUENCE``-token sequences, every
+    position but each sequence's first in the loss, with the per-token values a policy loss reads."""
     lengths = [min(SEQUENCE, n_tokens - s) for s in range(0, n_tokens, SEQUENCE)]
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     mask = torch.ones(n_tokens, dtype=torch.bool)
@@ -231,7 +231,8 @@ def warm_engine(state) -> int:
 
 def warm_up(state, console, clock: CompileClock, version: str) -> dict[str, float]:
     """Tune and compile before the first step (CUDA only; every rank of the run calls it, under TP/PP too: its
-    passes are the group's collectives); prints a start-up line and returns the metrics step 1 carries: ``perf/startup_compile_time`` (s, the warm-up's wall time: tuning, compilation, the synthetic
+    passes are the group's collectives); prints a start-up line and returns the metrics step 1 carries:
+    ``perf/startup_compile_time`` (s, the warm-up's wall time: tuning, compilation, the synthetic
     micro-batches, the engine batches), ``perf/startup_compile_count`` (kernels compiled rather than loaded from
     Triton's cache), ``perf/startup_tuned_keys`` (autotuner keys timed now). ``version``: the weight version the
     engine holds (``"0"``, or the resumed rollout's), republished when the warm-up gives the engine its memory

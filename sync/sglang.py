@@ -63,7 +63,8 @@ async def gathered_buckets(buckets: Iterable[NamedTensors], serialize_own: Calla
     ``SerializedBucket`` (``per_rank[i]`` for engine TP rank ``i``) per bucket; the other ranks yield nothing
     and must still iterate to the end. Every rank iterates ``buckets`` in the same order (under TP/PP the
     stream's gathers and broadcasts are collectives too: ``redline.loop.parallel_sync.seat_parts``, whose
-    (bucket, stage) parts each become one request); a bucket is let go once serialized. The blocking serialize and gather run on a worker thread, so the first rank's
+    (bucket, stage) parts each become one request); a bucket is let go once serialized. The blocking serialize and
+    gather run on a worker thread, so the first rank's
     event loop keeps the previous bucket's update request moving meanwhile."""
     first = dist.get_rank() == engine_ranks[0]
     for bucket in buckets:
