@@ -14,6 +14,7 @@ import os
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.fault_tolerance import arm_injected_fault, fault_metrics, watched_engine
 from redline.rollout.data import DataSource, PromptDataset
+from redline.rollout.engine_fan_out import EngineFanOut
 from redline.rollout.evaluation import EvalSet, evaluate
 from redline.rollout.functions import load_function
 from redline.rollout.generate import generate_sample
@@ -250,7 +251,7 @@ def only_gpu(device):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-class EngineGroup:
+class EngineGroup(EngineFanOut):
     """Several engines as one: each ``generate`` call goes to the next engine in turn (the loop sends one
     request per sample, each with its own seed, so which engine draws it does not change the result); memory,
     pause and shutdown calls go to all. Weights reach them through ``BroadcastWeightSync``, not
@@ -265,33 +266,14 @@ class EngineGroup:
         self._next += 1
         return await engine.generate(requests)
 
-    async def update_weights(self, buckets, version):
-        buckets = [list(b) for b in buckets]  # each engine reads every bucket
-        await self._all("update_weights", buckets, version)
-
-    async def release_memory(self, tags):
-        await self._all("release_memory", tags)
-
-    async def resume_memory(self, tags):
-        await self._all("resume_memory", tags)
-
-    async def flush_cache(self):
-        await self._all("flush_cache")
-
-    async def pause(self):
-        await self._all("pause")
-
-    async def resume(self):
-        await self._all("resume")
-
     async def health(self) -> bool:
         return all(await asyncio.gather(*(e.health() for e in self.engines)))
 
     async def shutdown(self):
         await self._all("shutdown")
 
-    async def _all(self, method, *args):
-        await asyncio.gather(*(getattr(e, method)(*args) for e in self.engines))
+    def _engines(self) -> list:
+        return self.engines
 
 
 def engine_seq_len(config, context: int) -> int:

@@ -28,6 +28,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from redline.rollout.engine_fan_out import EngineFanOut
+
 
 @dataclass
 class _Slot:
@@ -38,7 +40,7 @@ class _Slot:
     died: asyncio.Event = field(default_factory=asyncio.Event)  # this incarnation's end (a new one per restart)
 
 
-class FaultTolerantEngine:
+class FaultTolerantEngine(EngineFanOut):
     def __init__(self, start: Callable[[], object], *, count: int = 1, first=None, interval: float = 30.0,
                  timeout: float = 30.0, first_wait: float = 0.0):
         """``first``: an engine ``start()`` already made (it becomes engine 0)."""
@@ -183,28 +185,6 @@ class FaultTolerantEngine:
         if self._failure is not None:
             raise RuntimeError(f"a rollout engine could not be restarted: {self._failure!r}") from self._failure
 
-    async def update_weights(self, buckets, version):
-        buckets = [list(b) for b in buckets]  # each engine reads every bucket
-        await self._all("update_weights", buckets, version)
-
-    async def set_weight_version(self, version):
-        await self._all("set_weight_version", version)
-
-    async def release_memory(self, tags):
-        await self._all("release_memory", tags)
-
-    async def resume_memory(self, tags):
-        await self._all("resume_memory", tags)
-
-    async def flush_cache(self):
-        await self._all("flush_cache")
-
-    async def pause(self):
-        await self._all("pause")
-
-    async def resume(self):
-        await self._all("resume")
-
     async def health(self) -> bool:
         return all(await asyncio.gather(*(self._answers(s) for s in self._slots)))
 
@@ -214,5 +194,5 @@ class FaultTolerantEngine:
             await asyncio.gather(self._monitor, return_exceptions=True)
         await self._all("shutdown")
 
-    async def _all(self, method, *args):
-        await asyncio.gather(*(getattr(s.engine, method)(*args) for s in self._slots))
+    def _engines(self) -> list:
+        return [slot.engine for slot in self._slots]
