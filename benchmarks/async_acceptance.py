@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from redline.env_report import source_revision
+
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {"50m": REPO / "examples" / "quickstart_gpu_50m.toml",
           "1p7b": REPO / "examples" / "qwen3_1p7b_breakdown.toml"}
@@ -178,14 +180,6 @@ def make_model(out: Path) -> Path:
     return folder
 
 
-def git_describe() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Issue 19's GPU acceptance: sync vs one-step vs fully async "
                                      "rollout on the 50M quickstart and the Qwen3-1.7B breakdown shape")
@@ -251,7 +245,7 @@ def main(argv=None) -> int:
     import torch
 
     report = {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "placement": placement,
-              "commit": git_describe(), "steps": args.steps, "runs": results, "targets": targets(results)}
+              "commit": source_revision() or "unknown", "steps": args.steps, "runs": results, "targets": targets(results)}
     (out / "async_acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "async_acceptance.md").write_text(markdown(report))
     print(markdown(report))

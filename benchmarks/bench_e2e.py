@@ -44,18 +44,12 @@ HEADER = ("| trainer | steps | step s | generated tok/s | trained tok/s | vs TRL
 
 def environment() -> dict:
     """Versions, the GPU and the commit the results belong to (NVML only: no CUDA context in this process)."""
-    from redline.env_report import gpus, software
+    from redline.env_report import gpus, software, source_revision
     from redline.extras import version
 
     info = {"software": software() | {name: version(name) or "missing"
                                       for name in ("trl", "accelerate", "datasets", "tokenizers")},
-            "gpus": gpus()}
-    try:
-        # "-dirty" when the tree differs from the commit (a copy of a working tree with an older .git, say)
-        info["commit"] = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=HERE,
-                                        capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        info["commit"] = None
+            "gpus": gpus(), "commit": source_revision()}
     return info
 
 

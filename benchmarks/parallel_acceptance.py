@@ -47,6 +47,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from redline.env_report import source_revision
+
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "examples" / "qwen3_1p7b_breakdown.toml"
 MODEL = "qwen3-8b"
@@ -282,14 +284,6 @@ def make_models(dirs: dict[str, Path], model: str, slice_layers: int, needed: se
                           vocab_multiple=4)  # a character vocabulary that TP=2 and TP=4 split (tiny)
 
 
-def git_describe() -> str:
-    try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Issue 17's GPU acceptance (TP/SP/PP trainer, multi-GPU SGLang "
                                                  "engines) in one sitting")
@@ -387,7 +381,7 @@ def main(argv=None) -> int:
     import torch
 
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "gpus": gpus,
-              "engine": engine, "commit": git_describe(), "model": args.model, "steps": args.steps,
+              "engine": engine, "commit": source_revision() or "unknown", "model": args.model, "steps": args.steps,
               "slice_layers": args.slice_layers, "runs": results, "scaling": scaling(results, planned),
               "missing": [r.name for r in planned if r.name not in results]}
     (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")

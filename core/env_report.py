@@ -1,7 +1,9 @@
 """`redline env`: software versions, GPUs as NVML reports them, and the backends redline will use."""
 
 import platform
+import subprocess
 import sys
+from pathlib import Path
 from dataclasses import asdict
 
 import torch
@@ -20,6 +22,17 @@ PACKAGES = {
 }
 # installed packages whose loading is checked too (cheap, and known to be installable but unloadable)
 LOAD_CHECKED = {"flash_attn": "flash_attn.cute"}
+SOURCE_TREE = Path(__file__).resolve().parents[1]  # the repository this redline runs from (an editable install)
+
+
+def source_revision(abbrev: int = 12) -> str | None:
+    """``git describe --always --dirty`` of the source tree (``-dirty``: it differs from the commit, e.g. a copy of
+    a working tree carrying an older ``.git``); None outside a git checkout."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty", f"--abbrev={abbrev}"], cwd=SOURCE_TREE,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def software() -> dict:

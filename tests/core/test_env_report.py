@@ -50,3 +50,17 @@ def test_gpu_report_reads_nvml():
     device = gpus["devices"][0]
     assert device["memory_total_mib"] > 0 and device["name"]
     assert select_backends().kernels == "triton"
+
+
+def test_source_revision_is_git_describe_of_the_source_tree(tmp_path, monkeypatch):
+    import subprocess
+
+    from redline import env_report
+
+    expected = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], cwd=env_report.SOURCE_TREE,
+                              capture_output=True, text=True)
+    if expected.returncode != 0:
+        pytest.skip(f"{env_report.SOURCE_TREE} is not a git checkout: {expected.stderr.strip()}")
+    assert env_report.source_revision() == expected.stdout.strip()
+    monkeypatch.setattr(env_report, "SOURCE_TREE", tmp_path)  # no repository there
+    assert env_report.source_revision() is None
