@@ -6,7 +6,7 @@ import multiprocessing as mp
 
 import pytest
 
-from redline.ports import free_port
+from tests.gloo_ranks import run_ranks
 
 from tests.loop import engine_seat_procs  # importable by the spawned ranks
 
@@ -18,14 +18,8 @@ TIMEOUT_S = 180
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_every_ranks_unsharded_engine_gets_the_whole_trained_model(layout, mode):
-    results, port = CTX.Queue(), free_port()
-    procs = [CTX.Process(target=engine_seat_procs.embedded_engine_beside_parallel_trainer,
-                         args=(rank, 2, port, layout, mode, results), daemon=True) for rank in range(2)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=TIMEOUT_S) for _ in procs)
-    for p in procs:
-        p.join(TIMEOUT_S)
+    outcome = run_ranks(CTX, engine_seat_procs.embedded_engine_beside_parallel_trainer, 2,
+                        lambda rank, port: (rank, 2, port, layout, mode), TIMEOUT_S)
     for rank in range(2):
         assert not isinstance(outcome[rank], str), outcome[rank]
         sync_mode, every_tensor, diff = outcome[rank]

@@ -16,7 +16,7 @@ from redline.loop.engine_placement import (
     colocated_seat,
     disaggregated_base_gpus,
 )
-from redline.ports import free_port
+from tests.gloo_ranks import run_ranks
 from redline.sync.broadcast import rank_offsets
 
 from tests.loop import engine_seat_procs  # importable by the spawned ranks
@@ -145,27 +145,19 @@ def test_sglang_servers_join_the_weight_group_at_n_ranks_apart():
     assert [(url, rank, size) for url, _, _, rank, size, *_ in joined] == [("http://a", 1, 5), ("http://b", 3, 5)]
 
 
-def run_ranks(target, world, *args):
-    results, port = CTX.Queue(), free_port()
-    procs = [CTX.Process(target=target, args=(rank, world, port, *args, results), daemon=True)
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=TIMEOUT_S) for _ in procs)
-    for p in procs:
-        p.join(TIMEOUT_S)
-    return outcome
+def run_seat_ranks(target, world, *args):
+    return run_ranks(CTX, target, world, lambda rank, port: (rank, world, port, *args), TIMEOUT_S)
 
 
 @pytest.mark.slow  # gloo processes
 def test_the_leaders_url_reaches_every_rank_of_its_engine():
-    outcome = run_ranks(engine_seat_procs.share_a_launch, 2, False)
+    outcome = run_seat_ranks(engine_seat_procs.share_a_launch, 2, False)
     assert outcome == {0: ("engine-object", "http://127.0.0.1:1234"), 1: (None, "http://127.0.0.1:1234")}
 
 
 @pytest.mark.slow
 def test_a_failed_launch_raises_on_every_rank_naming_the_leader():
-    outcome = run_ranks(engine_seat_procs.share_a_launch, 2, True)
+    outcome = run_seat_ranks(engine_seat_procs.share_a_launch, 2, True)
     assert outcome[0] == ("raised", "no GPU for the server")
     assert outcome[1][0] == "raised" and "rank 0 failed to launch" in outcome[1][1]
     assert "no GPU for the server" in outcome[1][1]
@@ -174,7 +166,7 @@ def test_a_failed_launch_raises_on_every_rank_naming_the_leader():
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", [False, True])
 def test_each_bucket_reaches_the_server_as_one_request_with_every_ranks_payload(offload):
-    outcome = run_ranks(engine_seat_procs.push_through_seat, 2, offload)
+    outcome = run_seat_ranks(engine_seat_procs.push_through_seat, 2, offload)
     assert all(not isinstance(o, str) for o in outcome.values()), outcome
     calls, version, buckets, description, timed = outcome[0]
     assert outcome[1][0] is None and outcome[1][1] == version == "2"  # every rank's engine holds the last version
@@ -199,7 +191,7 @@ def test_each_bucket_reaches_the_server_as_one_request_with_every_ranks_payload(
 
 @pytest.mark.slow
 def test_every_tp_rank_hands_its_engine_rank_the_full_tensors_of_each_bucket():
-    outcome = run_ranks(engine_seat_procs.tp_trainer_through_seat, 2)
+    outcome = run_seat_ranks(engine_seat_procs.tp_trainer_through_seat, 2)
     assert all(not isinstance(o, str) for o in outcome.values()), outcome
     calls, expected, mode = outcome[0]
     assert mode == outcome[1][2] == "sglang-tp" and outcome[1][0] is None

@@ -6,7 +6,7 @@ part, while no rank holds more than two buckets of gathered weights at once (``r
 import multiprocessing as mp
 
 import pytest
-from redline.ports import free_port
+from tests.gloo_ranks import run_ranks
 
 from tests.loop import seat_model_parallel_procs  # importable by the spawned ranks
 
@@ -14,16 +14,10 @@ CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HT
 TIMEOUT_S = 240
 
 
-def run_ranks(tp, pp, dp):
-    results, port = CTX.Queue(), free_port()
+def push_on_ranks(tp, pp, dp):
     world = tp * pp * dp
-    procs = [CTX.Process(target=seat_model_parallel_procs.trainer_through_seat,
-                         args=(rank, world, port, tp, pp, results), daemon=True) for rank in range(world)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=TIMEOUT_S) for _ in procs)
-    for p in procs:
-        p.join(TIMEOUT_S)
+    outcome = run_ranks(CTX, seat_model_parallel_procs.trainer_through_seat, world,
+                        lambda rank, port: (rank, world, port, tp, pp), TIMEOUT_S)
     failed = {r: o for r, o in outcome.items() if isinstance(o, str)}
     assert not failed, failed
     return outcome
@@ -52,7 +46,7 @@ def test_every_engine_rank_gets_the_unsharded_model_holding_at_most_two_buckets(
     """One engine over the whole world: a TP=2 group, a TP=2 x PP=2 group, or two TP=2 data-parallel groups (each
     engine rank served by the group on its GPU)."""
     world = tp * pp * dp
-    outcome = run_ranks(tp, pp, dp)
+    outcome = push_on_ranks(tp, pp, dp)
     calls, expected, buckets, _, mode, description = outcome[0]
     assert len(buckets) == 5  # the middle bucket holds layers 3 and 4: under PP=2 one part on each stage
     assert all(outcome[r][0] is None and outcome[r][4] == "sglang-tp" for r in range(1, world))

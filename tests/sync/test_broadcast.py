@@ -8,7 +8,7 @@ import broadcast_procs
 import sync_procs
 from sync_export import qwen3_export
 
-from redline.ports import free_port
+from tests.gloo_ranks import run_ranks
 from redline.sync.broadcast import rank_offsets, stage_group_name
 
 CTX = mp.get_context("fork")  # CPU-only ranks; fork skips re-importing torch
@@ -16,17 +16,8 @@ TIMEOUT_S = 120
 
 
 def run_group(world_size, syncs, targets, corrupt_rank=-1):
-    results = CTX.Queue()
-    port = free_port()
-    procs = [CTX.Process(target=broadcast_procs.run_rank,
-                         args=(rank, world_size, port, syncs, targets[rank], corrupt_rank, results), daemon=True)
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=TIMEOUT_S) for _ in procs)
-    for p in procs:
-        p.join(TIMEOUT_S)
-    return outcome
+    return run_ranks(CTX, broadcast_procs.run_rank, world_size,
+                     lambda rank, port: (rank, world_size, port, syncs, targets[rank], corrupt_rank), TIMEOUT_S)
 
 
 def test_every_receiver_ends_with_the_last_syncs_weights():

@@ -7,7 +7,7 @@ import pytest
 import engine_tp_procs
 from sync_export import layer_bytes, qwen3_export
 
-from redline.ports import free_port
+from tests.gloo_ranks import run_ranks
 from redline.sync.plan import named_buckets, plan_for
 from redline.sync.sglang import gather_rank_payloads
 
@@ -15,15 +15,9 @@ CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HT
 TIMEOUT_S = 120
 
 
-def run_ranks(world, gpus_per_engine):
-    results, port = CTX.Queue(), free_port()
-    procs = [CTX.Process(target=engine_tp_procs.gather_every_bucket,
-                         args=(rank, world, gpus_per_engine, port, results), daemon=True) for rank in range(world)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=TIMEOUT_S) for _ in procs)
-    for p in procs:
-        p.join(TIMEOUT_S)
+def gather_on_ranks(world, gpus_per_engine):
+    outcome = run_ranks(CTX, engine_tp_procs.gather_every_bucket, world,
+                        lambda rank, port: (rank, world, gpus_per_engine, port), TIMEOUT_S)
     failed = {r: o for r, o in outcome.items() if isinstance(o, str)}
     assert not failed, failed
     return outcome
@@ -37,7 +31,7 @@ def expected_names():
 
 @pytest.mark.slow  # four processes and a gloo world
 def test_each_engine_leader_gets_one_payload_per_engine_tp_rank_in_rank_order():
-    outcome = run_ranks(world=4, gpus_per_engine=2)
+    outcome = gather_on_ranks(world=4, gpus_per_engine=2)
     buckets = expected_names()
     assert len(buckets) > 2
     # engine 0 on ranks 0, 1; engine 1 on ranks 2, 3: the leader's list for bucket k is [its own, the next rank's]
@@ -50,7 +44,7 @@ def test_each_engine_leader_gets_one_payload_per_engine_tp_rank_in_rank_order():
 
 @pytest.mark.slow
 def test_a_single_engine_over_three_ranks_orders_three_payloads():
-    outcome = run_ranks(world=3, gpus_per_engine=3)
+    outcome = gather_on_ranks(world=3, gpus_per_engine=3)
     assert outcome[0][2] == [tuple(f"rank{r}:{b}" for r in range(3)) for b in expected_names()]
     assert outcome[1][2] == outcome[2][2] == []
 
