@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from redline.env_report import source_revision
+from redline.env_report import source_revision, write_environment
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {"50m": REPO / "examples" / "quickstart_gpu_50m.toml",
@@ -214,6 +214,7 @@ def main(argv=None) -> int:
         placement = "cpu" if gpus == 0 else "two-gpus" if gpus >= 2 else "one-gpu"
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    write_environment(out)  # device, versions, date, commit beside the report
     models = {} if args.dry_run or "1p7b" not in shapes else {"1p7b": make_model(out)}
     runs = [(shape, mode) for shape in shapes for mode in modes]
     commands = {f"{s}-{m}": command(s, m, out=out, steps=args.steps, placement=placement, python=args.python,

@@ -45,6 +45,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from redline.env_report import write_environment
+
 ROOT = Path(__file__).resolve().parents[1]
 # the third mode keeps the masters and moments resident (their copies to and from pinned host are most of the
 # pause and resume): the plan's other choice, measured in the same call; not with --optimizer-cpu-offload, whose
@@ -213,7 +215,7 @@ def main() -> int:
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is killed")
     args = parser.parse_args()
     out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    write_environment(out)  # device, versions, date, commit beside the summary
     env = build_native(out)
     earlier = out / "summary.json"  # runs of an earlier call into the same folder (one shape per call) stay listed
     results = json.loads(earlier.read_text()) if earlier.is_file() else {}

@@ -47,7 +47,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from redline.env_report import source_revision
+from redline.env_report import source_revision, write_environment
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_CONFIG = REPO / "examples" / "qwen3_1p7b_breakdown.toml"
@@ -354,6 +354,7 @@ def main(argv=None) -> int:
         runs = [r for r in planned if r.name in wanted]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    write_environment(out)  # device, versions, date, commit beside the report
     models = model_dirs(out, args.model, args.slice_layers)
     extra = args.extra.split()
     commands = {r.name: command(r, model_dir=models[r.model], out=out, steps=args.steps, python=args.python,

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from redline.env_report import write_environment
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = {"embedded": ["--rollout-engine", "embedded", "--no-embedded-engine-process"],
            "embedded-process": ["--rollout-engine", "embedded", "--embedded-engine-process"],
@@ -88,7 +90,7 @@ def main() -> int:
     parser.add_argument("--engines", default="embedded,embedded-process,sglang,disaggregated")
     parser.add_argument("--num-rollout", type=int, default=None, help="RL steps per run (default: the config's)")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    write_environment(args.out)  # device, versions, date, commit beside the summary
     extra = ["--num-rollout", str(args.num_rollout)] if args.num_rollout else []
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if "sglang" in engines and subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True,

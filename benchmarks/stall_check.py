@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from redline.env_report import write_environment
+
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("perf/train_time", "perf/logprob_time")
 BASELINE_STEPS = range(2, 7)  # the "median of steps 2–6"
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
                              "(for a time limit per command)")
     opts = parser.parse_args(argv)
     out = opts.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    write_environment(out)  # device, versions, date, commit beside the summary
     env = dict(os.environ, TRITON_CACHE_DIR=str(out / "triton-cache"), REDLINE_CACHE_DIR=str(out / "redline-cache"))
     command = [sys.executable, "-m", "redline.cli", "train", opts.config, *(opts.args or DEFAULT_ARGS)]
     for i in (1, 2) if opts.run == "both" else (int(opts.run),):

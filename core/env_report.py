@@ -35,6 +35,20 @@ def source_revision(abbrev: int = 12) -> str | None:
         return None
 
 
+def write_environment(folder: Path) -> Path:
+    """``folder/environment.json``: the date (UTC), the source revision, the software versions and NVML's view of
+    the GPUs of the run whose results the folder holds."""
+    import datetime
+    import json
+
+    path = Path(folder) / "environment.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "commit": source_revision(), "software": software(), "gpus": gpus()}, indent=1)
+                    + "\n")
+    return path
+
+
 def software() -> dict:
     info = {
         "redline": __version__,

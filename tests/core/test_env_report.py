@@ -64,3 +64,17 @@ def test_source_revision_is_git_describe_of_the_source_tree(tmp_path, monkeypatc
     assert env_report.source_revision() == expected.stdout.strip()
     monkeypatch.setattr(env_report, "SOURCE_TREE", tmp_path)  # no repository there
     assert env_report.source_revision() is None
+
+
+def test_write_environment_records_date_commit_versions_and_gpus(tmp_path):
+    from datetime import datetime
+
+    from redline import env_report
+
+    path = env_report.write_environment(tmp_path / "results")
+    record = json.loads(path.read_text())
+    assert path == tmp_path / "results" / "environment.json"
+    assert datetime.fromisoformat(record["date"]).tzinfo is not None
+    assert record["commit"] == env_report.source_revision()
+    assert record["software"]["torch"] == torch.__version__
+    assert record["gpus"] == env_report.gpus()
