@@ -204,10 +204,11 @@ def even_vocab_model(tmp_path_factory):
 
 
 def test_model_parallel_layouts_that_fit_pass(even_vocab_model, data_file):
-    validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", sequence_parallel="true"),
-             world_size=2)
-    validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2"), world_size=2)
-    validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2"), world_size=4)
+    """TP=2+SP on 2 processes, PP=2 on 2, DP=2 × TP=2 on 4: validation raises nothing."""
+    layouts = [({"tensor_model_parallel_size": "2", "sequence_parallel": "true"}, 2),
+               ({"pipeline_model_parallel_size": "2"}, 2), ({"tensor_model_parallel_size": "2"}, 4)]
+    for flags, world_size in layouts:
+        assert validate(config_with(even_vocab_model, data_file, **flags), world_size=world_size) is None
 
 
 def test_world_size_must_be_dp_times_tp_times_pp(even_vocab_model, data_file):
