@@ -193,6 +193,14 @@ def markdown(results: list[dict], env: dict) -> str:
             if r.get("error"):
                 lines.append(f"| ↳ partial: {r['error']} | | | | | | | | | |")
         lines.append("")
+        idle_rows = [(r["trainer"], r["summary"]["gpu_idle_by_phase_s"]) for r in rows
+                     if r.get("summary", {}).get("gpu_idle_by_phase_s")]
+        if idle_rows:
+            lines += ["GPU idle seconds per step by phase (phase seconds × (1 − NVML utilisation while it ran)):", "",
+                      "| trainer | idle s by phase |", "| --- | --- |"]
+            lines += [f"| {name} | " + ", ".join(f"{k} {v:.2f}" for k, v in idle.items()) + " |"
+                      for name, idle in idle_rows]
+            lines.append("")
     software = env.get("software", {})
     versions = ", ".join(f"{k} {software[k]}" for k in ("redline", "torch", "transformers", "SGLang", "trl",
                                                           "accelerate", "datasets") if k in software)

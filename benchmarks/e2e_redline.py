@@ -11,6 +11,8 @@ from e2e_workload import StepRecord, Workload
 # perf/* phase metrics of redline's step (redline.loop.metrics.PHASES), named as the benchmark shows them
 PHASES = {"perf/rollout_time": "rollout", "perf/offload_rollout_time": "offload", "perf/logprob_time": "logprob",
           "perf/train_time": "train", "perf/update_weights_time": "weight_sync", "perf/idle_time": "idle"}
+# the run's NVML utilisation while each phase ran (redline.gpu_telemetry: perf/gpu_util/<phase of perf/<phase>_time>)
+PHASE_UTIL = {key.replace("perf/", "perf/gpu_util/").removesuffix("_time"): name for key, name in PHASES.items()}
 
 
 def config_toml(workload: Workload, *, model_dir: Path, prompts: Path, engine: str, max_tokens_per_gpu: int,
@@ -59,5 +61,6 @@ def read_records(metrics_jsonl: Path, workload: Workload) -> list[StepRecord]:
             generated_tokens=round(length * workload.samples_per_step),
             trained_tokens=round(row["perf/tokens_per_gpu_per_sec"] * row["perf/train_time"]),
             phases={name: row[key] for key, name in PHASES.items() if key in row},
-            gpu_util=row.get("perf/gpu_util"), gpu_mem_gb=row.get("perf/gpu_mem_gb"), response_len_mean=length))
+            gpu_util=row.get("perf/gpu_util"), gpu_mem_gb=row.get("perf/gpu_mem_gb"), response_len_mean=length,
+            phase_gpu_util={name: row[key] for key, name in PHASE_UTIL.items() if key in row}))
     return records

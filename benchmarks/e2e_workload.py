@@ -82,6 +82,7 @@ class StepRecord:
     gpu_util: float | None = None  # mean %, NVML
     gpu_mem_gb: float | None = None  # peak, every process on the GPU
     response_len_mean: float | None = None
+    phase_gpu_util: dict[str, float] = field(default_factory=dict)  # mean NVML % while each phase ran
 
 
 def peak_tflops(gpu_name: str | None) -> float | None:
@@ -109,6 +110,9 @@ def summarize(records: list[StepRecord], workload: Workload, num_parameters: int
     busy = sum(r.gpu_util * r.step_time for r in with_util) / sum(r.step_time for r in with_util) if with_util else None
     mems = [r.gpu_mem_gb for r in measured if r.gpu_mem_gb is not None]
     lengths = [r.response_len_mean for r in measured if r.response_len_mean is not None]
+    idle_by_phase = {name: sum(r.phases.get(name, 0.0) * (1 - r.phase_gpu_util[name] / 100) for r in measured
+                               if name in r.phase_gpu_util) / len(measured)
+                     for name in dict.fromkeys(k for r in measured for k in r.phase_gpu_util)}
     return {
         "steps": len(measured),
         "step_time_s": total / len(measured),
@@ -120,6 +124,7 @@ def summarize(records: list[StepRecord], workload: Workload, num_parameters: int
         "train_tflops": train_tflops,
         "train_mfu": train_tflops / peak if peak else None,
         "gpu_idle_share": 1 - busy / 100 if busy is not None else None,
+        "gpu_idle_by_phase_s": idle_by_phase,
         "response_len_mean": sum(lengths) / len(lengths) if lengths else None,
         "step_times_s": [r.step_time for r in records],
     }

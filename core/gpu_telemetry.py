@@ -1,7 +1,9 @@
 """GPU telemetry of a run: NVML read in a background thread, summarised per step into ``perf/gpu_*`` metrics.
 
 The sampling thread calls NVML only (no CUDA call, so no host sync and nothing queued on a stream); the step
-marks where its window starts (``begin``) and takes the summary of the readings since then (``summary``).
+marks where its window starts (``begin``) and each phase of it (``phase``), and takes the summary of the readings
+since then (``summary``): the step's figures and the utilisation of each phase, so an idle GPU can be charged to
+the phase that left it idle.
 NVML's utilisation is the share of its last sample period (1/6 s to 1 s depending on the board) in which a
 kernel ran, so a window shorter than that is smeared over its neighbours.
 """
@@ -29,6 +31,16 @@ class ReadingSource(Protocol):
         """One reading per GPU, in a fixed order."""
 
     def close(self) -> None: ...
+
+
+def summarize_phases(samples: Sequence[tuple[str | None, Sequence[GpuReading]]]) -> dict[str, float]:
+    """``perf/gpu_util/<phase>``: the mean utilisation (%, over readings and GPUs) of the readings taken while each
+    named phase ran; readings before the first phase mark count for none."""
+    utils: dict[str, list[float]] = {}
+    for phase, readings in samples:
+        if phase is not None:
+            utils.setdefault(phase, []).extend(r.util_pct for r in readings)
+    return {f"perf/gpu_util/{phase}": sum(values) / len(values) for phase, values in utils.items()}
 
 
 def summarize(samples: Sequence[Sequence[GpuReading]]) -> dict[str, float]:
@@ -63,7 +75,8 @@ class GpuTelemetry:
     def __init__(self, source: ReadingSource | None, interval_s: float = INTERVAL_S):
         self.source = source
         self.interval_s = interval_s
-        self._samples: list[list[GpuReading]] = []
+        self._samples: list[tuple[str | None, list[GpuReading]]] = []  # (phase running, one reading per GPU)
+        self._phase: str | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,7 +112,7 @@ class GpuTelemetry:
         while True:
             readings = self.source.read()
             with self._lock:
-                self._samples.append(readings)
+                self._samples.append((self._phase, readings))
             if self._stopping.wait(self.interval_s):
                 return
 
@@ -107,15 +120,23 @@ class GpuTelemetry:
         """Start a new window: readings taken before now are dropped."""
         with self._lock:
             self._samples = []
+            self._phase = None
+
+    def phase(self, name: str) -> None:
+        """Readings from now on belong to phase ``name`` (until the next ``phase`` or ``begin``)."""
+        with self._lock:
+            self._phase = name
 
     def summary(self) -> dict[str, float]:
-        """``summarize`` of the readings since ``begin`` (one taken now when the window holds none yet); ``{}``
-        when off. Starts the next window."""
+        """``summarize`` and ``summarize_phases`` of the readings since ``begin`` (one taken now when the window
+        holds none yet); ``{}`` when off. Starts the next window."""
         if not self.enabled:
             return {}
         with self._lock:
             samples, self._samples = self._samples, []
-        return summarize(samples or [self.source.read()])
+        if not samples:
+            return summarize([self.source.read()])
+        return summarize([readings for _, readings in samples]) | summarize_phases(samples)
 
 
 class NvmlSource:

@@ -100,10 +100,12 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     # 1. rollout: generate n samples per prompt, score them, filter groups (--async-rollout: hand over the ones
     #    generated while the last step trained)
     state.on_phase("rollout")
+    state.telemetry.phase("rollout")
     # under TP/PP the model-parallel group's leader generates for its DP rank and hands the group the samples
     samples, metrics = dp.from_model_leader(lambda: state.loop.run_until_complete(state.rollout.generate(rollout_id)))
     t0 = clock()
     rollout_time = t0 - step_start
+    state.telemetry.phase("offload_rollout")
     state.loop.run_until_complete(state.weight_sync.release())  # --offload-rollout: the GPU is the trainer's
     offload_time = clock() - t0
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -114,6 +116,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     #    unless an async batch mixes staleness values: its log-prob gap is then reported per staleness)
     state.schedule.overlap_begin()  # --async-rollout: from here to the push the engines keep generating
     state.on_phase("log-probs")
+    state.telemetry.phase("logprob")
     t0 = clock()
     kl_coef = reward_kl_coef(state)
     reuse_old = reuses_old_logp(state) and not state.schedule.mixed_staleness(samples)
@@ -141,6 +144,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
 
     # 4. optimizer steps over global batches of packed micro-batches, dealt out across the data-parallel ranks
     state.on_phase("train")
+    state.telemetry.phase("train")
     t0 = clock()
     train_metrics: list[dict[str, float]] = []
     lengths = dp.all_lengths([len(s.tokens) for s in samples])
@@ -169,6 +173,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     # 5. weight sync: planned buckets into the engine, resuming its memory around them when offloaded
     #    (--async-rollout: every --update-weights-interval steps, when the schedule allows)
     state.on_phase("weight sync")
+    state.telemetry.phase("update_weights")
     t0 = clock()
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
     sync_time = clock() - t0

@@ -4,10 +4,16 @@ import threading
 import time
 
 import pytest
-import torch
-
 import redline.extras
-from redline.gpu_telemetry import GpuReading, GpuTelemetry, NvmlSource, open_gpu_telemetry, summarize
+import torch
+from redline.gpu_telemetry import (
+    GpuReading,
+    GpuTelemetry,
+    NvmlSource,
+    open_gpu_telemetry,
+    summarize,
+    summarize_phases,
+)
 from redline.loop.metrics import MetricsLog
 
 
@@ -53,6 +59,13 @@ def test_summary_of_no_samples_is_empty():
     assert summarize([]) == {}
 
 
+def test_phase_utilisation_is_the_mean_of_the_readings_taken_in_each_phase():
+    busy, idle = GpuReading(90.0, 1e9, 500.0, 1980.0), GpuReading(10.0, 1e9, 100.0, 900.0)
+    samples = [(None, [busy]), ("rollout", [busy]), ("rollout", [idle]), ("train", [busy, idle]), ("train", [busy])]
+    assert summarize_phases(samples) == {"perf/gpu_util/rollout": 50.0,
+                                         "perf/gpu_util/train": pytest.approx(190.0 / 3)}
+
+
 def wait_for(condition, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -81,6 +94,24 @@ def test_a_window_holds_only_the_readings_taken_after_begin():
         summary = telemetry.summary()
     assert summary["perf/gpu_util"] == 100.0 and summary["perf/gpu_mem_gb"] == 2.0
     assert summary["perf/gpu_power_w"] == 700.0
+
+
+def test_readings_belong_to_the_phase_marked_before_them_and_begin_clears_it():
+    source = FakeSource([GpuReading(20.0, 1e9, 50.0, 900.0)] * 4 + [GpuReading(80.0, 1e9, 50.0, 900.0)])
+    with GpuTelemetry(source, interval_s=0.005) as telemetry:
+        telemetry.begin()
+        telemetry.phase("rollout")
+        wait_for(lambda: source.reads >= 4)
+        telemetry.phase("train")
+        seen = source.reads
+        wait_for(lambda: source.reads >= seen + 3)
+        summary = telemetry.summary()
+        telemetry.begin()
+        wait_for(lambda: source.reads >= seen + 6)
+        unmarked = telemetry.summary()
+    assert 20.0 <= summary["perf/gpu_util/rollout"] < 50.0  # the 5th read (80) may fall on either side of the mark
+    assert summary["perf/gpu_util/train"] == 80.0
+    assert not any(key.startswith("perf/gpu_util/") for key in unmarked)
 
 
 def test_a_window_shorter_than_the_interval_reads_once_at_its_end():

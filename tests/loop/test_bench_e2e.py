@@ -36,6 +36,14 @@ def test_summary_leaves_out_warmup_and_weights_idle_share_by_step_time():
     assert s["gpu_idle_share"] == pytest.approx(1 - (90 * 2 + 50 * 6) / 8 / 100)
 
 
+def test_summary_charges_idle_seconds_to_the_phases_that_report_utilisation():
+    records = [record(4.0, 1.0), record(4.0, 1.0), record(8.0, 2.0)]
+    records[1].phase_gpu_util = {"rollout": 80.0, "train": 100.0}
+    records[2].phase_gpu_util = {"rollout": 50.0}
+    s = summarize(records, Workload(warmup=1), num_parameters=10)
+    assert s["gpu_idle_by_phase_s"] == pytest.approx({"rollout": (3.0 * 0.2 + 6.0 * 0.5) / 2, "train": 0.0})
+
+
 def test_summary_without_telemetry_or_a_known_board_leaves_those_out():
     s = summarize([record(1.0, 0.5), record(1.0, 0.5)], Workload(warmup=1), num_parameters=10, gpu_name=None)
     assert s["train_mfu"] is None and s["gpu_idle_share"] is None and s["peak_gpu_mem_gb"] is None
@@ -77,13 +85,14 @@ def test_redline_metrics_become_step_records(tmp_path):
     rows = [{"step": 0, "sft/loss": 1.0},
             {"step": 1, "perf/step_time": 3.0, "perf/train_time": 1.0, "perf/rollout_time": 1.5,
              "perf/idle_time": 0.5, "perf/tokens_per_gpu_per_sec": 800.0, "rollout/response_len_mean": 64.0,
-             "perf/gpu_util": 70.0, "perf/gpu_mem_gb": 20.0}]
+             "perf/gpu_util": 70.0, "perf/gpu_mem_gb": 20.0, "perf/gpu_util/rollout": 60.0, "perf/gpu_util/train": 95.0}]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     [rec] = read_records(path, workload)
     assert rec.generated_tokens == 8 * 64 and rec.trained_tokens == 800
     assert rec.phases == {"rollout": 1.5, "train": 1.0, "idle": 0.5}
     assert (rec.gpu_util, rec.gpu_mem_gb, rec.response_len_mean) == (70.0, 20.0, 64.0)
+    assert rec.phase_gpu_util == {"rollout": 60.0, "train": 95.0}
 
 
 @pytest.fixture(scope="module")
