@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -120,14 +121,15 @@ def run_redline(trainer: str, workload: Workload, model_dir: Path, prompts: Path
                                   sglang_mem_fraction=args.sglang_mem_fraction, offload_rollout=True))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1")
+    extra = shlex.split(args.redline_args)
     error = run_process([sys.executable, "-m", "redline.cli", "train", str(config), "--output-dir",
-                         str(folder / "run")], folder / "log.txt", args.trainer_timeout, env)
+                         str(folder / "run"), *extra], folder / "log.txt", args.trainer_timeout, env)
     metrics = folder / "run" / "metrics.jsonl"
     records = read_records(metrics, workload) if metrics.exists() else []
     return {"records": [dataclasses.asdict(r) for r in records], "error": error,
             "num_parameters": count_parameters(model_dir),
             "settings": {"config": config.read_text(), "engine": engine, "colocated": True,
-                         "offload_rollout": True, "layer_backend": "bf16"}}
+                         "offload_rollout": True, "layer_backend": "bf16", "extra_flags": extra}}
 
 
 def run_trl(workload: Workload, model_dir: Path, prompts: Path, folder: Path, args) -> dict:
@@ -273,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trainer-timeout", type=float, default=None,
                     help="seconds one trainer may run; its finished steps still count")
     ap.add_argument("--redline-max-tokens-per-gpu", type=int, default=16384, help="redline's micro-batch budget")
+    ap.add_argument("--redline-args", default="", help="more `redline train` flags for the redline trainers, "
+                    "one string (e.g. \"--no-offload-train\"); recorded with the settings")
     ap.add_argument("--sglang-mem-fraction", type=float, default=0.5, help="redline-sglang's static memory share")
     ap.add_argument("--trl-micro-batch", type=int, default=8, help="TRL's per_device_train_batch_size")
     ap.add_argument("--trl-generation-batch-size", type=int, default=None,
