@@ -66,13 +66,14 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     stream gets the device's highest priority, so a transfer that becomes ready while a bucket's pack or load
     kernel (thousands of CTAs) is queued gets SMs first instead of waiting for that kernel to drain.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside the weight-update group of world_size {world_size}")
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    # the store ``rendezvous("tcp://addr:port")`` makes, built here: under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+    # rendezvous makes every rank a client of the launcher's store, so nobody would serve this address
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     store = PrefixStore(group_name, store)
     options = None
     if backend == "nccl" and high_priority:

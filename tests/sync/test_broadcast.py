@@ -50,3 +50,13 @@ def test_rank_offsets_reject_an_engine_without_gpus():
 
 def test_stage_groups_have_distinct_names():
     assert stage_group_name(0) != stage_group_name(1)
+
+
+def test_the_group_builds_under_torchruns_agent_store(monkeypatch):
+    """Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True, inherited by every child) the trainer still serves the
+    group's store: a TP/PP trainer's leader sends from inside a torchrun launch (``--no-colocate``)."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    export = qwen3_export(num_layers=3)
+    outcome = run_group(2, syncs=1, targets=[None, sync_procs.shared_zeros_like(export)])
+    assert outcome == {0: "ok", 1: "ok"}
