@@ -221,14 +221,22 @@ def trainer_device(config):
     return torch.device("cuda", 0) if not config.parallel.colocate else torch.device("cuda")
 
 
+def trainer_gpus(world_size: int = 1) -> int:
+    """How many GPUs of this node, from GPU 0 on, the trainer takes: one per ``torchrun`` process on it
+    (``LOCAL_WORLD_SIZE``; its TP × PP × DP ranks on ``cuda:LOCAL_RANK``), else ``world_size`` (one process: 1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def engine_devices(config) -> list:
-    """``--no-colocate``: one device per engine process — cuda:1 ... cuda:N, or the CPU N times."""
+    """``--no-colocate``: one device per engine process — the N GPUs after the trainer's (``trainer_gpus``: cuda:1
+    ... cuda:N beside one trainer process), or the CPU N times."""
     import torch
 
     n = config.parallel.rollout_num_gpus
     if not torch.cuda.is_available():
         return [torch.device("cpu")] * n
-    return [torch.device("cuda", 1 + i) for i in range(n)]
+    first = trainer_gpus()
+    return [torch.device("cuda", first + i) for i in range(n)]
 
 
 @contextlib.contextmanager
