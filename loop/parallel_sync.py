@@ -17,7 +17,8 @@ through ``GroupExport``, whose export is the model-parallel group's stream:
   bucket in plan order: its own stage's part from its gathers, each later stage's part from that stage's TP rank
   0 (one point-to-point message per bucket part, over the pipeline group). The other ranks gather and send their
   part and yield nothing; they run as many passes per push as the leader's mode reads the export
-  (``ModelParallelWeightSync``).
+  (``ModelParallelWeightSync``). With ``--no-colocate`` (``ModelParallelBroadcastSync``) the leader is instead
+  the source of ``BroadcastWeightSync``'s weight-update group and broadcasts that stream to the engine processes.
 """
 
 from collections import deque
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from redline.loop.model_parallel import pipeline_state, tp_group_of
-from redline.loop.weight_sync import WeightSync
+from redline.loop.weight_sync import BroadcastWeightSync, WeightSync, _clock
 from redline.sync.plan import BucketLayout, TensorSpec, WeightPlan
 from redline.trainer.models.export import full_shape, hf_entries
 from redline.trainer.parallel.comm import _all_gather_single
@@ -258,3 +259,38 @@ class ModelParallelWeightSync(WeightSync):
             return super().describe() + (" · gathered over TP per bucket; each pipeline stage's part broadcast to "
                                          "the other stages' ranks, one request per (bucket, stage)")
         return super().describe() + " · gathered over TP per bucket, each pipeline stage's part sent to the engine"
+
+
+class ModelParallelBroadcastSync(BroadcastWeightSync):
+    """``--no-colocate`` under TP/PP (one model-parallel group, DP=1): ``BroadcastWeightSync`` over the group's
+    stream (``GroupExport``). The group's leader (``dp.holds_engine``: global rank 0) holds ``engines``, is rank 0
+    of the weight-update group and broadcasts every bucket of ``leader_stream`` to them; every other rank passes
+    ``engines=[]`` and is a contributor: it joins no group, and each push it takes part in the TP gathers and
+    sends its stage's part to the leader, as many times as the leader reads the export (once, twice with SGLang's
+    hash check). Every rank of the group must construct it (the plan comes from the shards' metadata, exchanged
+    over the pipeline group) and push together. Options as ``BroadcastWeightSync``'s."""
+
+    def __init__(self, model, engines, dp, **options):
+        export = GroupExport(model)
+        super().__init__(export, engines, **options)
+        export.plan = self.plan
+        self.contributor = not dp.holds_engine
+        self.passes = dp.from_model_leader(lambda: 1 + bool(self.verifiers))
+
+    async def connect(self) -> None:
+        if not self.contributor:
+            await super().connect()
+
+    async def push(self, version: str) -> None:
+        if not self.contributor:
+            return await super().push(version)
+        start = _clock(self.device)
+        for _ in range(self.passes):
+            deque(self.model.export_hf(), maxlen=0)  # the gathers and this stage's sends; nothing yielded here
+        self.timings["perf/sync_time"] = _clock(self.device) - start
+
+    def describe(self) -> str:
+        if self.contributor:
+            return (f"weight sync: this rank gathers and sends its shards of {len(self.plan.buckets)} buckets to rank "
+                    "0, which broadcasts them to the engines")
+        return super().describe() + " · gathered over TP per bucket, each pipeline stage's part sent to rank 0"

@@ -62,7 +62,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     from redline.loop.fault_tolerance import engine_sync
     from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
     from redline.loop.train_offload import device_memory, engine_memory, offload_train_enabled, train_offload
-    from redline.loop.parallel_sync import ModelParallelWeightSync
+    from redline.loop.parallel_sync import ModelParallelBroadcastSync, ModelParallelWeightSync
     from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
@@ -106,8 +106,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     elif dp.world > 1:
         engine_name += f" (one per data-parallel rank, {dp.world} ranks)"
     if dp.model_parallel and config.parallel.rollout_num_gpus_per_engine == 1:  # one engine per group, unsharded
-        engine_name += (f" (on TP rank 0 of the first pipeline stage of each model-parallel group, unsharded; "
-                        f"TP={dp.state.tp} × PP={dp.state.pp} trainer)")
+        engine_name += (f" ({'on' if config.parallel.colocate else 'driven by'} TP rank 0 of the first pipeline "
+                        f"stage of each model-parallel group, unsharded; TP={dp.state.tp} × PP={dp.state.pp} trainer)")
     console.print(f"rollout engine: {engine_name}")
     if train_cfg.offload_train:  # the engine starts beside a paused trainer, as it generates beside one
         offload = train_offload(device)
@@ -119,7 +119,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     if rollout.skipped_records:
         console.print(f"data: --skip-bad-records skipped {rollout.skipped_records} malformed record(s) "
                       f"(data/skipped_records)", markup=False, soft_wrap=True)
-    if dp.model_parallel:  # with a seat: every rank hands its engine TP rank each (bucket, stage) part
+    if dp.model_parallel and config.parallel.colocate:  # with a seat: each rank hands its engine TP rank its parts
         weight_sync = ModelParallelWeightSync(
             model, engine, dp, seat=rollout.engine_seat, bucket_bytes=config.sync.update_weight_buffer_size,
             offload=config.sync.offload_rollout, device=device, check_weights=config.sync.check_weights,
@@ -129,11 +129,13 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
             model, engine, bucket_bytes=config.sync.update_weight_buffer_size, offload=config.sync.offload_rollout,
             device=device, check_weights=config.sync.check_weights, seat=rollout.engine_seat,
             train_offload=train_offload(device) if train_cfg.offload_train else None))
-    else:
-        weight_sync = BroadcastWeightSync(model, getattr(engine, "engines", [engine]),
-                                          bucket_bytes=config.sync.update_weight_buffer_size, device=device,
-                                          timeout_s=config.parallel.distributed_timeout_minutes * 60,
-                                          verify=config.sync.check_sglang_weights or config.sync.check_weights)
+    else:  # under TP/PP the group's leader broadcasts its gathered stream, the other ranks gather with it
+        engines = [] if engine is None else getattr(engine, "engines", [engine])
+        broadcast = {"bucket_bytes": config.sync.update_weight_buffer_size, "device": device,
+                     "timeout_s": config.parallel.distributed_timeout_minutes * 60,
+                     "verify": config.sync.check_sglang_weights or config.sync.check_weights}
+        weight_sync = (ModelParallelBroadcastSync(model, engines, dp, **broadcast) if dp.model_parallel
+                       else BroadcastWeightSync(model, engines, **broadcast))
         try:
             loop.run_until_complete(weight_sync.connect())
         except BaseException:

@@ -286,7 +286,8 @@ def check_data_parallel(config, world_size: int) -> None:
     GPU per local rank is checked when the process group starts, ``init_data_parallel``)."""
     import os
 
-    if not config.parallel.colocate:
+    p = config.parallel
+    if not p.colocate and p.tensor_model_parallel_size * p.pipeline_model_parallel_size == 1:
         raise ConfigError(f"--no-colocate runs in one launcher process (the engines are its children), but this is "
                           f"rank {os.environ.get('RANK', '?')} of {world_size} under torchrun: drop --no-colocate "
                           "(each rank then trains with its own colocated engine), or run without torchrun")
@@ -322,9 +323,11 @@ def check_model_parallel(config, world_size: int) -> None:
                           "--tensor-model-parallel-size > 1 (got 1)")
     if tp * pp == 1:
         return
-    if not p.colocate:
-        raise ConfigError(f"--no-colocate runs the trainer in one process; with --tensor-model-parallel-size {tp} "
-                          f"/ --pipeline-model-parallel-size {pp} drop --no-colocate")
+    if not p.colocate and world_size > tp * pp:
+        raise ConfigError(f"--no-colocate with --tensor-model-parallel-size {tp} × --pipeline-model-parallel-size "
+                          f"{pp} runs one model-parallel group, whose rank 0 broadcasts the weights to the engines: "
+                          f"launch {tp * pp} torchrun processes, not {world_size} (data parallelism beside "
+                          f"--no-colocate is not supported yet), or drop --no-colocate")
     if pp > 1 and config.algo.advantage_estimator == "ppo":
         raise ConfigError(f"--advantage-estimator ppo: the critic runs under TP and DP, not yet under "
                           f"--pipeline-model-parallel-size {pp}; use 1, or a critic-free estimator (grpo ...)")
@@ -368,10 +371,9 @@ def check_distributed_timeout(config) -> None:
 
 def check_placement(config, world_size: int = 1) -> None:
     """One process; or ``world_size`` processes under ``torchrun``: DP × TP × PP (``check_world_size``,
-    ``check_model_parallel``), each data-parallel rank with its colocated engine; or (one process) with
-    ``--no-colocate`` engines on other GPUs — embedded engine
-    processes (also on the CPU of a CPU machine) or SGLang servers, launched or attached — weights pushed by
-    broadcast."""
+    ``check_model_parallel``), each data-parallel rank with its colocated engine; or (one process, or one TP × PP
+    group) with ``--no-colocate`` engines on the GPUs after the trainer's — embedded engine processes (also on the
+    CPU of a CPU machine) or SGLang servers, launched or attached — weights pushed by broadcast."""
     import torch
 
     from redline.loop.rollout_setup import resolve_engine
@@ -382,7 +384,6 @@ def check_placement(config, world_size: int = 1) -> None:
     check_model_parallel(config, world_size)
     if world_size > 1:
         check_data_parallel(config, world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size))
-        return
     if p.colocate:
         return
     if config.sync.offload_rollout:
@@ -393,14 +394,21 @@ def check_placement(config, world_size: int = 1) -> None:
     if p.rollout_num_gpus < 1:
         raise ConfigError(f"--rollout-num-gpus must be >= 1 with --no-colocate, got {p.rollout_num_gpus}")
     from redline.loop.ray_engines import engine_bundles
+    from redline.loop.rollout_setup import trainer_gpus
 
     if torch.cuda.is_available() and engine_bundles() is None:  # under Ray the engines have bundles of their own
-        needed, visible = 1 + p.rollout_num_gpus, torch.cuda.device_count()
+        trainer = trainer_gpus(world_size)
+        needed, visible = trainer + p.rollout_num_gpus, torch.cuda.device_count()
         if visible < needed:
-            raise ConfigError(f"--no-colocate --rollout-num-gpus {p.rollout_num_gpus}: the trainer takes GPU 0 and "
-                              f"each engine one more GPU, {needed} in all, but {visible} "
-                              f"{'is' if visible == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES); lower "
-                              f"--rollout-num-gpus or drop --no-colocate")
+            takes, lower = "GPU 0", "--rollout-num-gpus"
+            if trainer > 1:
+                takes = f"GPUs 0-{trainer - 1} (one per torchrun process on this node)"
+                lower += (f" or --tensor-model-parallel-size {p.tensor_model_parallel_size} × "
+                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}")
+            raise ConfigError(f"--no-colocate --rollout-num-gpus {p.rollout_num_gpus}: the trainer takes {takes} and "
+                              f"each engine one more GPU after them, {needed} in all, but {visible} "
+                              f"{'is' if visible == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES); lower {lower}, "
+                              f"or drop --no-colocate")
 
 
 def check_engine_gpus_here(config, world_size: int) -> None:

@@ -275,3 +275,42 @@ def test_async_rollout_is_refused_under_model_parallelism(even_vocab_model, data
                                           r"--pipeline-model-parallel-size 1 is not supported yet"):
         validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", async_rollout="one-step"),
                  world_size=2)
+
+
+def test_no_colocate_beside_model_parallelism_runs_one_group(even_vocab_model, data_file, monkeypatch):
+    """TP=2 + SP or PP=2 on 2 processes with --no-colocate pass (engine processes on the CPU here); data
+    parallelism beside them (4 processes at TP=2) and --async-rollout are refused, naming the flags."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for flags in ({"tensor_model_parallel_size": "2", "sequence_parallel": "true"},
+                  {"pipeline_model_parallel_size": "2"}):
+        assert validate(config_with(even_vocab_model, data_file, colocate="false", **flags), world_size=2) is None
+    with pytest.raises(ConfigError, match=r"--no-colocate with --tensor-model-parallel-size 2 × "
+                                          r"--pipeline-model-parallel-size 1 .* launch 2 torchrun processes, not 4"):
+        validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
+                             rollout_batch_size="8", global_batch_size="32"), world_size=4)
+    with pytest.raises(ConfigError, match=r"--async-rollout one-step with --tensor-model-parallel-size 2"):
+        validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
+                             async_rollout="one-step"), world_size=2)
+
+
+def test_no_colocate_engine_gpus_come_after_the_trainers(even_vocab_model, data_file, monkeypatch):
+    import torch
+
+    from redline.loop.rollout_setup import engine_devices
+    from redline.loop.validate import check_placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's processes on this node: the TP=2 trainer
+    config = config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
+                         rollout_num_gpus="2")
+    with pytest.raises(ConfigError, match=r"the trainer takes GPUs 0-1 \(one per torchrun process on this node\) "
+                                          r"and each engine one more GPU after them, 4 in all, but 3 are visible "
+                                          r".*lower --rollout-num-gpus or --tensor-model-parallel-size 2 × "
+                                          r"--pipeline-model-parallel-size 1, or drop --no-colocate"):
+        check_placement(config, world_size=2)
+    fits = apply_overrides(config, {"rollout_num_gpus": "1"})
+    check_placement(fits, world_size=2)
+    assert engine_devices(fits) == [torch.device("cuda", 2)]

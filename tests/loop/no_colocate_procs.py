@@ -1,0 +1,62 @@
+"""Rank entry points of the ``--no-colocate`` tests under tensor / pipeline parallelism (spawned processes import
+them by this module's name)."""
+
+import asyncio
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 16 * 2**10  # several buckets of the tiny model, one of them holding tensors of both PP stages
+
+
+def broadcast_from_parallel_trainer(rank, port, model_dir, layout, results):
+    """A TP=2 + SP (``layout`` "tp2-sp") or PP=2 ("pp2") trainer over 2 gloo ranks; the group's leader holds an
+    embedded engine process on the CPU and broadcasts to it through ``ModelParallelBroadcastSync``, rank 1 only
+    gathers and sends. Two pushes, each after every shard and stage moved (standing in for an optimizer step).
+    ``results`` gets ``(rank, (describe line, bucket count, [largest |engine - unsharded reference| per push]))``;
+    the list is empty off the leader, which alone can read its engine."""
+    from redline.loop.data_parallel import DataParallel, model_parallel_group
+    from redline.loop.parallel_sync import ModelParallelBroadcastSync
+    from redline.rollout.embedded.process import EmbeddedEngineProcess
+    from redline.trainer.models import from_pretrained
+    from redline.trainer.parallel import ParallelConfig
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        parallel = ParallelConfig(tp=2, sp=True) if layout == "tp2-sp" else ParallelConfig(pp=2)
+        state = parallel.build("cpu")
+        dp = DataParallel(rank=state.dp_rank, world=1, state=state, mp_group=model_parallel_group(state))
+        trainer = from_pretrained(model_dir, dtype=torch.float32, parallel=state)
+        reference = from_pretrained(model_dir, dtype=torch.float32)  # the same steps on the unsharded model
+        engine = (EmbeddedEngineProcess(model_dir, dtype=torch.float32, device="cpu", max_batch_size=2,
+                                        max_seq_len=16, seed=1) if dp.holds_engine else None)
+        sync = ModelParallelBroadcastSync(trainer, [engine] if engine else [], dp, bucket_bytes=BUCKET_BYTES,
+                                          device=torch.device("cpu"), timeout_s=60)
+
+        async def pushes():
+            await sync.connect()
+            diffs = []
+            for version in ("1", "2"):
+                with torch.no_grad():
+                    for model in (trainer, reference):
+                        for p in model.parameters():
+                            p.mul_(1.5).add_(0.25)
+                await sync.push(version)
+                if engine is not None:
+                    held = dict(await engine.export_weights())
+                    expected = dict(reference.export_hf())
+                    assert sorted(held) == sorted(expected)
+                    diffs.append(max((held[n] - t).abs().max().item() for n, t in expected.items()))
+            await sync.close()
+            if engine is not None:
+                await engine.shutdown()
+            return diffs
+
+        diffs = asyncio.run(pushes())
+        results.put((rank, (sync.describe(), len(sync.plan.buckets), diffs)))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
+        results.put((rank, traceback.format_exc()))

@@ -1,0 +1,60 @@
+"""``--no-colocate`` beside a tensor- or pipeline-parallel trainer (gloo on the CPU): the group's leader broadcasts
+the weights its export gathers into embedded engine processes of their own, which then hold the trainer's weights
+bit for bit; whole runs at TP=2 + SP and PP=2 take the single-process ``--no-colocate`` run's steps."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from redline.loop.builtin import tiny_model
+from tests.gloo_ranks import run_ranks
+from tests.loop import no_colocate_procs  # importable by the spawned ranks
+
+from .test_model_parallel import assert_same_steps, train
+
+CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HTTP, gloo) of earlier tests
+TIMEOUT_S = 180
+NO_COLOCATE = ["--no-colocate", "--update-weight-buffer-size", str(no_colocate_procs.BUCKET_BYTES)]
+LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+           "pp2": ["--pipeline-model-parallel-size", "2"]}
+
+
+@pytest.fixture(scope="module")
+def even_vocab_model(tmp_path_factory):
+    """The quickstart's tiny model (its seed) with the vocabulary padded to a multiple of 2, as TP=2 gets it."""
+    return tiny_model(tmp_path_factory.mktemp("model"), seed=7, vocab_multiple=2)
+
+
+@pytest.mark.slow  # two gloo processes and an engine process
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_engine_process_holds_the_unsharded_trained_model_after_each_push(layout, even_vocab_model):
+    outcome = run_ranks(CTX, no_colocate_procs.broadcast_from_parallel_trainer, 2,
+                        lambda rank, port: (rank, port, str(even_vocab_model), layout), TIMEOUT_S, daemon=False)
+    for rank in range(2):
+        assert not isinstance(outcome[rank], str), outcome[rank]
+    leader, other = outcome[0], outcome[1]
+    assert leader[1] == other[1] > 2  # the same plan on both ranks, several buckets
+    assert "broadcast (gloo)" in leader[0] and "bucket checksums" in leader[0]  # checked on every push
+    assert "gathers and sends its shards" in other[0]
+    assert leader[2] == [0.0, 0.0]  # bit for bit, both pushes
+    assert other[2] == []
+
+
+@pytest.fixture(scope="module")
+def single_process_no_colocate(even_vocab_model, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), even_vocab_model, *NO_COLOCATE)
+
+
+@pytest.mark.slow  # about 40 s a layout on 2 CPU cores (torchrun's ranks and an engine process)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_no_colocate_run_takes_the_single_process_steps(layout, single_process_no_colocate,
+                                                                 even_vocab_model, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo; engine processes on the CPU)")
+    records = train(tmp_path / "run", even_vocab_model, *NO_COLOCATE, *LAYOUTS[layout], processes=2)
+    console = (tmp_path / "run" / "console.log").read_text()
+    assert "weight sync: broadcast (gloo)" in " ".join(console.split())  # rank 0's line, wrapped by the console
+    assert_same_steps(single_process_no_colocate, records)
+    for record in records[1:]:  # the engine sampled with the weights the trainer holds
+        assert record["train/rollout_logprob_abs_diff"] < 1e-4
