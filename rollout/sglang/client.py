@@ -82,8 +82,11 @@ class SGLangClient:
     def _http(self):
         aiohttp = require("aiohttp", "the SGLang engine client")
         if self._session is None or self._session.closed:
+            # limit=0: no cap on open connections. aiohttp's default (100) held a 512-request rollout to 100
+            # running requests at the server; the rollout manager's max_inflight is the one bound
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_SECONDS))
+                                                  connector=connector)
         return self._session
 
     async def request(self, method: str, path: str, body: dict | None = None, *, ok=(200,)):

@@ -32,6 +32,7 @@ class FakeSGLang:
         self.checksums: dict[str, str] = {}  # what /weights_checker reports (set by the test, or by received buckets)
         self.group, self.group_name = None, None
         self.lock = threading.Lock()
+        self.generating, self.most_generating = 0, 0  # /generate calls being answered now, and the most at once
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,7 +60,10 @@ class FakeSGLang:
                 status, answer = server.route(self.path, body)
                 self.reply(status, answer)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # many clients connect at once (socketserver's default backlog is 5)
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     @property
@@ -72,7 +76,12 @@ class FakeSGLang:
         if path == "/health":
             return 200, {}
         if path == "/generate":
+            with self.lock:
+                self.generating += 1
+                self.most_generating = max(self.most_generating, self.generating)
             time.sleep(self.delay)
+            with self.lock:
+                self.generating -= 1
             n = body["sampling_params"]["max_new_tokens"]
             ids = list(reversed(body["input_ids"]))[:n]
             return 200, {"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids],

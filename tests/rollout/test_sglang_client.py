@@ -40,6 +40,16 @@ def test_generate_sends_ids_and_parses_logprobs():
         (0.5, 2, ["\n"], 3, True)
 
 
+def test_every_request_of_a_large_rollout_reaches_the_server_at_once():
+    # aiohttp caps a session at 100 connections unless told otherwise: 300 requests must all be running together
+    with FakeSGLang(delay=1.0) as server:
+        engine = SGLangEngine([server.url])
+        params = SamplingParams(max_new_tokens=1)
+        results = run(engine, lambda e: e.generate([GenerateRequest([i + 1], params) for i in range(300)]))
+    assert [r.output_ids for r in results] == [[i + 1] for i in range(300)]
+    assert server.most_generating == 300
+
+
 def test_an_answer_aborted_before_prefill_has_no_tokens_and_other_answers_need_the_log_prob_list():
     # SGLang's answer to a request a pause aborted while it was still queued: no output_token_logprobs
     aborted = {"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"},
