@@ -11,15 +11,19 @@ import torch.distributed as dist
 BUCKET_BYTES = 16 * 2**10  # several buckets of the tiny model, one of them holding tensors of both PP stages
 
 
-def broadcast_from_parallel_trainer(rank, port, model_dir, layout, results):
-    """A TP=2 + SP (``layout`` "tp2-sp") or PP=2 ("pp2") trainer over 2 gloo ranks; the group's leader holds an
-    embedded engine process on the CPU and broadcasts to it through ``ModelParallelBroadcastSync``, rank 1 only
-    gathers and sends. Two pushes, each after every shard and stage moved (standing in for an optimizer step).
-    ``results`` gets ``(rank, (describe line, bucket count, [largest |engine - unsharded reference| per push]))``;
-    the list is empty off the leader, which alone can read its engine."""
+def broadcast_from_parallel_trainer(rank, port, model_dir, layout, engine_kind, results):
+    """A TP=2 + SP (``layout`` "tp2-sp") or PP=2 ("pp2") trainer over 2 gloo ranks; the group's leader holds the
+    engine and broadcasts to it through ``ModelParallelBroadcastSync``, rank 1 only gathers and sends. The engine
+    (``engine_kind``): an embedded engine process on the CPU (bucket checksums), or a stand-in SGLang server in a
+    process of its own, attached, whose hashes of what it received are compared with the trainer's tensors after
+    each push (``--check-sglang-weights``: the export read twice). Two pushes, each after every shard and stage
+    moved (standing in for an optimizer step). ``results`` gets ``(rank, (describe line, bucket count, [largest
+    |engine - unsharded reference| per push]))``; the list is empty off the leader, which alone can read its
+    engine, and for SGLang, whose check is the hash comparison of the push itself."""
+    import contextlib
+
     from redline.loop.data_parallel import DataParallel, model_parallel_group
     from redline.loop.parallel_sync import ModelParallelBroadcastSync
-    from redline.rollout.embedded.process import EmbeddedEngineProcess
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel import ParallelConfig
 
@@ -31,10 +35,10 @@ def broadcast_from_parallel_trainer(rank, port, model_dir, layout, results):
         dp = DataParallel(rank=state.dp_rank, world=1, state=state, mp_group=model_parallel_group(state))
         trainer = from_pretrained(model_dir, dtype=torch.float32, parallel=state)
         reference = from_pretrained(model_dir, dtype=torch.float32)  # the same steps on the unsharded model
-        engine = (EmbeddedEngineProcess(model_dir, dtype=torch.float32, device="cpu", max_batch_size=2,
-                                        max_seq_len=16, seed=1) if dp.holds_engine else None)
+        servers = contextlib.ExitStack()
+        engine = _engine(engine_kind, model_dir, servers) if dp.holds_engine else None
         sync = ModelParallelBroadcastSync(trainer, [engine] if engine else [], dp, bucket_bytes=BUCKET_BYTES,
-                                          device=torch.device("cpu"), timeout_s=60)
+                                          device=torch.device("cpu"), timeout_s=60, verify=engine_kind == "sglang")
 
         async def pushes():
             await sync.connect()
@@ -45,7 +49,7 @@ def broadcast_from_parallel_trainer(rank, port, model_dir, layout, results):
                         for p in model.parameters():
                             p.mul_(1.5).add_(0.25)
                 await sync.push(version)
-                if engine is not None:
+                if engine_kind == "embedded" and engine is not None:
                     held = dict(await engine.export_weights())
                     expected = dict(reference.export_hf())
                     assert sorted(held) == sorted(expected)
@@ -55,8 +59,26 @@ def broadcast_from_parallel_trainer(rank, port, model_dir, layout, results):
                 await engine.shutdown()
             return diffs
 
-        diffs = asyncio.run(pushes())
+        with servers:
+            diffs = asyncio.run(pushes())
         results.put((rank, (sync.describe(), len(sync.plan.buckets), diffs)))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
         results.put((rank, traceback.format_exc()))
+
+
+def _engine(kind: str, model_dir, servers):
+    """The leader's engine: an embedded engine process on the CPU, or an attached stand-in SGLang server (started
+    in ``servers``) that reports byte hashes of the tensors it received."""
+    if kind == "embedded":
+        from redline.rollout.embedded.process import EmbeddedEngineProcess
+
+        return EmbeddedEngineProcess(model_dir, dtype=torch.float32, device="cpu", max_batch_size=2, max_seq_len=16,
+                                     seed=1)
+    from redline.rollout.sglang import weight_check
+    from redline.rollout.sglang.engine import SGLangEngine
+    from tests.rollout.fake_sglang import fake_sglang_process
+    from tests.rollout.test_sglang_weight_check import byte_hash
+
+    weight_check.sglang_tensor_hash = lambda: byte_hash
+    return SGLangEngine([servers.enter_context(fake_sglang_process(hash_fn=byte_hash))])

@@ -26,19 +26,36 @@ def even_vocab_model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("model"), seed=7, vocab_multiple=2)
 
 
+def pushes(layout, model, engine_kind):
+    """Each rank's outcome of ``no_colocate_procs.broadcast_from_parallel_trainer`` (a failed rank: its traceback
+    raised here)."""
+    outcome = run_ranks(CTX, no_colocate_procs.broadcast_from_parallel_trainer, 2,
+                        lambda rank, port: (rank, port, str(model), layout, engine_kind), TIMEOUT_S, daemon=False)
+    for rank in range(2):
+        assert not isinstance(outcome[rank], str), outcome[rank]
+    return outcome[0], outcome[1]
+
+
 @pytest.mark.slow  # two gloo processes and an engine process
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_engine_process_holds_the_unsharded_trained_model_after_each_push(layout, even_vocab_model):
-    outcome = run_ranks(CTX, no_colocate_procs.broadcast_from_parallel_trainer, 2,
-                        lambda rank, port: (rank, port, str(even_vocab_model), layout), TIMEOUT_S, daemon=False)
-    for rank in range(2):
-        assert not isinstance(outcome[rank], str), outcome[rank]
-    leader, other = outcome[0], outcome[1]
+    leader, other = pushes(layout, even_vocab_model, "embedded")
     assert leader[1] == other[1] > 2  # the same plan on both ranks, several buckets
     assert "broadcast (gloo)" in leader[0] and "bucket checksums" in leader[0]  # checked on every push
     assert "gathers and sends its shards" in other[0]
     assert leader[2] == [0.0, 0.0]  # bit for bit, both pushes
     assert other[2] == []
+
+
+@pytest.mark.slow  # two gloo processes and a stand-in server process
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_an_attached_sglang_server_passes_the_hash_check_after_each_push(layout, even_vocab_model):
+    """The server's hashes of every tensor it received equal the unsharded trained model's (``verify_weights``
+    raises ``WeightsMismatch`` otherwise); rank 1 gathers for the push and again for the check."""
+    pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
+    leader, other = pushes(layout, even_vocab_model, "sglang")
+    assert "server hashes" in leader[0]
+    assert leader[1] == other[1] > 2
 
 
 @pytest.fixture(scope="module")
