@@ -82,8 +82,10 @@ def check_async(config, world_size: int = 1) -> None:
     if offload_train_enabled(config):
         raise ConfigError(f"--async-rollout {mode} with --offload-train: the trainer trains while the engine "
                           f"generates, so its state cannot be paused meanwhile; drop --offload-train")
-    if world_size > 1:
-        raise ConfigError(f"--async-rollout {mode} runs the trainer in one process, not {world_size} torchrun ranks")
+    p = config.parallel
+    if world_size > p.tensor_model_parallel_size * p.pipeline_model_parallel_size:  # TP/PP: check_model_parallel
+        raise ConfigError(f"--async-rollout {mode} runs the trainer in one process (or, one-step, one TP × PP group "
+                          f"with --no-colocate), not {world_size} torchrun ranks of data parallelism")
     if config.algo.loss_type == "sft":
         raise ConfigError(f"--async-rollout {mode} schedules RL rollouts; --loss-type sft has none")
     if r.max_staleness is not None and r.max_staleness < 0:
@@ -160,8 +162,10 @@ class _Async(Synchronous):
         self._stop: asyncio.Event | None = None
         self.train_span = (0.0, 0.0)
         self.push_wait = 0.0
-        self.in_step = False  # between a step's batch and its push
-        self.current = 0  # the trainer's policy version at the step being run
+        # set where every rank of a model-parallel group passes, not only the leader that takes the batch: the
+        # group's ranks must agree on which pushes happen (their gathers are collectives)
+        self.in_step = False  # between a step's batch (overlap_begin) and its push
+        self.current = 0  # the trainer's policy version at the step being run (its push's version - 1)
 
     # ----- the wrappers' meaning (subclasses) ------------------------------------------------------------
 
@@ -177,7 +181,9 @@ class _Async(Synchronous):
         in_step, self.in_step = self.in_step, False
         if not in_step:
             await self.weight_sync.push(version)
-        elif self.due(version):
+            return
+        self.current = int(version) - 1
+        if self.due(version):
             await self.step_push(version)
         else:
             self.weight_sync.timings = {}
@@ -194,6 +200,7 @@ class _Async(Synchronous):
     # ----- overlap: the loop runs in a helper thread while the trainer trains ------------------------------
 
     def overlap_begin(self) -> None:
+        self.in_step = True
         self._stop = asyncio.Event()
         self._thread = threading.Thread(target=self.loop.run_until_complete, args=(self._stop.wait(),),
                                         name="rollout-while-training", daemon=True)
@@ -277,7 +284,6 @@ class OneStepOff(_Async):
         self.pending = None
         if rollout_id + 1 < self.num_rollout:
             self._start(rollout_id + 1)
-        self.current, self.in_step = rollout_id, True
         metrics.update(self.staleness_metrics(samples, rollout_id))
         return samples, metrics
 
@@ -320,7 +326,6 @@ class FullyAsync(_Async):
         groups, stream_metrics = await self.stream.next_batch(rollout_id)
         if rollout_id + 1 >= self.num_rollout:
             self.stream.stop()
-        self.current, self.in_step = rollout_id, True
         manager = self.rollout.manager
         metrics = manager.batch_metrics(groups, stream_metrics.pop("rollout/dropped_groups"), 0,
                                         time.perf_counter() - began)

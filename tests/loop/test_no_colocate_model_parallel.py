@@ -75,3 +75,31 @@ def test_parallel_no_colocate_run_takes_the_single_process_steps(layout, single_
     assert_same_steps(single_process_no_colocate, records)
     for record in records[1:]:  # the engine sampled with the weights the trainer holds
         assert record["train/rollout_logprob_abs_diff"] < 1e-4
+
+
+# pushes after every second step: the group's ranks must agree on which step pushes (rank 1 takes no batch)
+ONE_STEP = ["--async-rollout", "one-step", "--update-weights-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def single_process_one_step(even_vocab_model, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single-one-step"), even_vocab_model, *NO_COLOCATE, *ONE_STEP)
+
+
+@pytest.mark.slow  # about 60 s a layout on 2 CPU cores (a run and its resume under torchrun)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_step_async_run_takes_the_single_process_steps_and_resumes(layout, single_process_one_step,
+                                                                      even_vocab_model, tmp_path):
+    """Rank 0 generates rollout k+1 while the group trains on rollout k; the checkpoint keeps that generated,
+    untrained rollout and the resumed run trains it."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo; engine processes on the CPU)")
+    out = tmp_path / "run"
+    records = train(out, even_vocab_model, *NO_COLOCATE, *ONE_STEP, *LAYOUTS[layout], "--save-interval", "2",
+                    processes=2)
+    assert_same_steps(single_process_one_step, records)
+    # rollouts 1 and 2 start before the first step push (after step 2, version 2): both generate with version 0
+    assert [r["rollout/staleness_max"] for r in records[1:]] == [0.0, 1.0, 2.0]
+    resumed = train(tmp_path / "resumed", even_vocab_model, *NO_COLOCATE, *ONE_STEP, *LAYOUTS[layout],
+                    "--load", str(out / "checkpoints" / "rollout_1"), processes=2)
+    assert_same_steps(records[-1:], resumed)
