@@ -84,8 +84,8 @@ def check_async(config, world_size: int = 1) -> None:
                           f"generates, so its state cannot be paused meanwhile; drop --offload-train")
     p = config.parallel
     if world_size > p.tensor_model_parallel_size * p.pipeline_model_parallel_size:  # TP/PP: check_model_parallel
-        raise ConfigError(f"--async-rollout {mode} runs the trainer in one process (or, one-step, one TP × PP group "
-                          f"with --no-colocate), not {world_size} torchrun ranks of data parallelism")
+        raise ConfigError(f"--async-rollout {mode} runs the trainer in one process (or one TP × PP group with "
+                          f"--no-colocate), not {world_size} torchrun ranks of data parallelism")
     if config.algo.loss_type == "sft":
         raise ConfigError(f"--async-rollout {mode} schedules RL rollouts; --loss-type sft has none")
     if r.max_staleness is not None and r.max_staleness < 0:
@@ -334,6 +334,9 @@ class FullyAsync(_Async):
         return samples, metrics
 
     async def step_push(self, version: str) -> None:
+        if self.rollout.engine is None:  # a model-parallel group's other ranks: their part of rank 0's push
+            await self.weight_sync.push(version)
+            return
         await self.stream.update_weights(int(version), lambda: self.weight_sync.push(version))
 
     def untrained(self) -> list[list]:

@@ -331,13 +331,10 @@ def check_model_parallel(config, world_size: int) -> None:
     if pp > 1 and config.algo.advantage_estimator == "ppo":
         raise ConfigError(f"--advantage-estimator ppo: the critic runs under TP and DP, not yet under "
                           f"--pipeline-model-parallel-size {pp}; use 1, or a critic-free estimator (grpo ...)")
-    mode = config.rollout.async_rollout
-    if mode != "off" and (p.colocate or mode != "one-step"):
-        why = ("a colocated engine generates in step with its group" if p.colocate
-               else "full: its stream is not wired to a model-parallel group yet")
-        raise ConfigError(f"--async-rollout {mode} with --tensor-model-parallel-size {tp} / "
-                          f"--pipeline-model-parallel-size {pp} is not supported yet ({why}); use --async-rollout "
-                          "off, or one-step with --no-colocate")
+    if config.rollout.async_rollout != "off" and p.colocate:
+        raise ConfigError(f"--async-rollout {config.rollout.async_rollout} with --tensor-model-parallel-size {tp} / "
+                          f"--pipeline-model-parallel-size {pp} is not supported yet (a colocated engine generates "
+                          "in step with its group); use --async-rollout off, or add --no-colocate")
     if config.train.optimizer_cpu_offload and pp > 1:
         raise ConfigError(f"--optimizer-cpu-offload with --pipeline-model-parallel-size {pp} is not supported yet")
     spec = _model_spec(config.model.hf_checkpoint)

@@ -103,3 +103,28 @@ def test_one_step_async_run_takes_the_single_process_steps_and_resumes(layout, s
     resumed = train(tmp_path / "resumed", even_vocab_model, *NO_COLOCATE, *ONE_STEP, *LAYOUTS[layout],
                     "--load", str(out / "checkpoints" / "rollout_1"), processes=2)
     assert_same_steps(records[-1:], resumed)
+
+
+FULL = ["--async-rollout", "full", "--max-staleness", "0"]
+
+
+@pytest.mark.slow  # about 60 s a layout on 2 CPU cores (a run and its resume under torchrun)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fully_async_run_trains_samples_of_the_pushed_weights_and_resumes(layout, even_vocab_model, tmp_path):
+    """``--max-staleness 0``: every trained sample was generated wholly by the weights it trains (older and
+    interrupted ones are dropped and generated again), so the trainer's log-probs of it are the engine's only if each
+    push (rank 0 pausing the stream's requests) gave the engine the group's weights. A resumed run continues."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo; engine processes on the CPU)")
+    out = tmp_path / "run"
+    records = train(out, even_vocab_model, *NO_COLOCATE, *FULL, *LAYOUTS[layout], "--save-interval", "2",
+                    processes=2)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for record in records[1:]:
+        assert record["rollout/samples"] == 24 * 8 and record["rollout/staleness_max"] == 0  # 24 prompts × 8
+        assert record["train/rollout_logprob_abs_diff/staleness_0"] < 1e-4
+    resumed = train(tmp_path / "resumed", even_vocab_model, *NO_COLOCATE, *FULL, *LAYOUTS[layout], "--load",
+                    str(out / "checkpoints" / "rollout_1"), processes=2)
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["rollout/samples"] == 24 * 8 and resumed[0]["rollout/staleness_max"] == 0
+    assert resumed[0]["train/rollout_logprob_abs_diff/staleness_0"] < 1e-4

@@ -279,8 +279,8 @@ def test_async_rollout_is_refused_under_model_parallelism(even_vocab_model, data
 
 def test_no_colocate_beside_model_parallelism_runs_one_group(even_vocab_model, data_file, monkeypatch):
     """TP=2 + SP or PP=2 on 2 processes with --no-colocate pass (engine processes on the CPU here), also with
-    --async-rollout one-step; data parallelism beside them (4 processes at TP=2) and --async-rollout full are
-    refused, naming the flags."""
+    --async-rollout one-step and full; data parallelism beside them (4 processes at TP=2) is refused, naming the
+    flags, and so is --async-rollout with a colocated engine."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -291,12 +291,13 @@ def test_no_colocate_beside_model_parallelism_runs_one_group(even_vocab_model, d
                                           r"--pipeline-model-parallel-size 1 .* launch 2 torchrun processes, not 4"):
         validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
                              rollout_batch_size="8", global_batch_size="32"), world_size=4)
-    validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
-                         async_rollout="one-step"), world_size=2)
-    with pytest.raises(ConfigError, match=r"--async-rollout full with --tensor-model-parallel-size 2 .* use "
-                                          r"--async-rollout off, or one-step with --no-colocate"):
+    for mode in ("one-step", "full"):
         validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
-                             async_rollout="full"), world_size=2)
+                             async_rollout=mode), world_size=2)
+    with pytest.raises(ConfigError, match=r"--async-rollout full with --tensor-model-parallel-size 2 .* use "
+                                          r"--async-rollout off, or add --no-colocate"):
+        validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", async_rollout="full"),
+                 world_size=2)
 
 
 def test_no_colocate_engine_gpus_come_after_the_trainers(even_vocab_model, data_file, monkeypatch):
