@@ -7,7 +7,9 @@ its batch, trains on it between ``overlap_begin()`` and ``overlap_end()``, then 
 trainer trains in this one, so the engines keep generating in processes of their own: ``--no-colocate`` (embedded
 engine processes, or SGLang servers launched or attached, whose HTTP requests the loop keeps running; weights by
 the disaggregated broadcast), or on one GPU an embedded engine process beside the trainer
-(``--embedded-engine-process``, weights by CUDA IPC):
+(``--embedded-engine-process``, weights by CUDA IPC). Beside a TP/PP trainer (``--no-colocate``, one model-parallel
+group) the schedule generates and pauses the engines on rank 0, which takes the batch; a step's push is marked
+where every rank passes (``overlap_begin``), so the group's ranks agree on which steps push:
 
 * ``off`` (``Synchronous``): generate → train → push, in series.
 * ``one-step`` (``OneStepOff``, slime's ``train_async.py``): ``generate`` hands over rollout k, generated while
