@@ -72,11 +72,19 @@ class ManagedProcess:
             self.process.wait()
 
 
+# torchrun's switch to its launcher's store: inherited by a server started from a torchrun rank, it makes the
+# server's own rank 0 a client of a store nobody serves (torch.distributed.rendezvous), so its group never forms
+TORCHRUN_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
 def _spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """``cmd`` in a session of its own, output to ``log``, with this process's environment (less
+    ``TORCHRUN_STORE_ENV``) and ``env``."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    inherited = {k: v for k, v in os.environ.items() if k != TORCHRUN_STORE_ENV}
     with log.open("w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+                                env={**inherited, **(env or {})})
 
 
 def launch_server(model_path: str | Path, *, base_gpu_id: int = 0, tp_size: int = 1, port: int | None = None,

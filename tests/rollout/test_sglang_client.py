@@ -185,3 +185,21 @@ def test_servers_launched_together_get_distinct_ports_and_keep_given_ones(monkey
     assert ports[1] == 31234 and len(set(ports)) == 4
     assert [s.url for s in servers] == [f"http://127.0.0.1:{p}" for p in ports]
 
+
+
+def test_a_server_started_from_a_torchrun_rank_builds_its_own_process_group(tmp_path, monkeypatch):
+    """torchrun's TORCHELASTIC_USE_AGENT_STORE is not passed on: the child's rank 0 serves its group's store (with
+    it, rendezvous makes rank 0 a client of a store nobody serves and the group never forms)."""
+    import sys
+
+    from redline.ports import free_port
+    from redline.rollout.sglang.server import _spawn
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    group = ("import datetime, torch.distributed as dist; "
+             f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1, "
+             "timeout=datetime.timedelta(seconds=20)); print('group of', dist.get_world_size())")
+    child = _spawn([sys.executable, "-c", group], tmp_path / "server.log")
+    assert child.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
+    assert "group of 1" in (tmp_path / "server.log").read_text()
