@@ -14,6 +14,7 @@ until ``--distributed-timeout-minutes``) and new ones continue the run from its 
 run folder, whose ``metrics.jsonl`` keeps exactly the records up to it), at most ``--max-restarts`` times.
 """
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from redline.configfile import ConfigError
 from redline.loop.faults import ATTEMPT_ENV
+from redline.loop.ray_rollout import MANAGER_ENV, manager_name, relay
 
 PLACEMENT_FILE = "placement.json"
 # what the ranks inherit from the driver's environment besides what Ray passes on (the fault plan of tests, the
@@ -36,6 +38,10 @@ def check_ray_flags(config) -> None:
             raise ConfigError("--actor-num-nodes and --actor-num-gpus-per-node must be >= 1")
         if c.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {c.max_restarts}")
+        if config.rollout.async_rollout == "full":
+            raise ConfigError("--async-rollout full is not yet on Ray: its generation stream runs beside the "
+                              "trainer, and under --ray-address the rollout manager is an actor of its own; use "
+                              "--async-rollout one-step, or run without --ray-address")
         return
     for flag, value in (("--actor-num-nodes", p.actor_num_nodes != 1),
                         ("--actor-num-gpus-per-node", p.actor_num_gpus_per_node != 1),
@@ -46,10 +52,14 @@ def check_ray_flags(config) -> None:
 
 
 class TrainerRank:
-    """One trainer rank: the process ``torchrun`` would start, as a Ray actor."""
+    """One trainer rank: the process ``torchrun`` would start, as a Ray actor. Asynchronous: ``run`` trains in a
+    thread of its own while ``call`` answers the rollout manager actor's engine calls (``redline.loop.ray_rollout``)."""
 
     def __init__(self, env: dict[str, str]):
         os.environ.update(env)
+        # the ray.get calls of the training thread block that thread, not the actor's event loop: Ray's warning of
+        # a blocking get inside an async actor does not apply
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
 
     def where(self) -> dict:
         """Where this rank runs, as the actor sees it: its node id and process id (its engine is its child), and
@@ -61,10 +71,14 @@ class TrainerRank:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "torch_threads": torch.get_num_threads(), "niceness": os.nice(0)}
 
-    def run(self, config, config_path) -> int:
+    async def run(self, config, config_path) -> int:
         from redline.loop.train import run
 
-        return run(config, config_path)
+        return await asyncio.to_thread(run, config, config_path)
+
+    async def call(self, method: str, *args):
+        """One of this rank's engine's methods, called by the rollout manager actor (as ``EngineHost.call``)."""
+        return await relay(method, *args)
 
 
 def run_on_ray(config, config_path=None) -> int:
@@ -178,11 +192,12 @@ def _start_ranks(ray, group, slots, world: int, bundle: dict, attempt: int, engi
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from redline.loop import ray_placement
 
-    actor = ray.remote(max_restarts=0, max_concurrency=1)(TrainerRank)
+    actor = ray.remote(max_restarts=0)(TrainerRank)
     inherited = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
     return [actor.options(**ray_placement.actor_resources(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=slot.bundle_index)).remote(
-        {**inherited, **ray_placement.rank_env(slots, rank, world), **engines_env, ATTEMPT_ENV: str(attempt)})
+        {**inherited, **ray_placement.rank_env(slots, rank, world), **engines_env, ATTEMPT_ENV: str(attempt),
+         MANAGER_ENV: manager_name(attempt)})
         for rank, slot in enumerate(slots[:world])]
 
 

@@ -37,7 +37,9 @@ def seeded(generate_fn, base_seed: int):
 class LoopRollout:
     """``dp``: with several data-parallel ranks, each rank's manager serves its shard of the prompts and
     ``evaluate`` runs its shard of every eval set, then averages over the ranks (collective: call on all).
-    ``engine_seat``: this rank's place in a colocated engine of several GPUs (None: the engine is its own)."""
+    ``engine_seat``: this rank's place in a colocated engine of several GPUs (None: the engine is its own).
+    ``manager``: a ``RolloutManager`` in this process, or under Ray the handle of this rank's shard of the
+    rollout manager actor (``redline.loop.ray_rollout.RemoteManager``, the same interface)."""
 
     engine_seat = None
 
@@ -57,9 +59,10 @@ class LoopRollout:
     @property
     def skipped_records(self) -> int:
         """Malformed records that ``--skip-bad-records`` skipped, over every dataset of the run."""
-        datasets = {id(d): d for d in [self.manager.data_source.dataset, self.sft_data.dataset,
-                                       *(e.dataset for e in self.eval_sets)]}
-        return sum(d.stats.skipped_bad for d in datasets.values())
+        own = [e.dataset for e in self.eval_sets]
+        if self.sft_data is not self.manager.data_source:
+            own.append(self.sft_data.dataset)
+        return self.manager.skipped_records + sum(d.stats.skipped_bad for d in own)
 
     async def generate(self, rollout_id: int):
         arm_injected_fault(self.engine, rollout_id)
@@ -74,7 +77,8 @@ class LoopRollout:
         return [s for group in output.groups for s in group], output.metrics
 
     async def close(self) -> None:
-        """Release what the reward holds (a grader process, an HTTP session)."""
+        """Release what the rewards hold (a grader process, an HTTP session): the manager's and the evaluation's."""
+        await self.manager.close()
         await self.reward.close()
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
@@ -295,26 +299,69 @@ def model_context(hf_config) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 4096))
 
 
-def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataParallel = SINGLE_PROCESS):
-    """``(engine, LoopRollout)`` for the run; with ``dp.world`` ranks, this rank's engine and its share of the
-    prompts (``rollout_batch_size / world`` groups per rollout)."""
-    d, r = config.data, config.rollout
+def dataset_options(config) -> dict:
+    """``PromptDataset`` options of the run's prompt files (RL, SFT and eval alike)."""
     from transformers import AutoConfig
 
     from redline.loop.validate import needs_label
 
+    d = config.data
     prompt_room = engine_seq_len(config, model_context(AutoConfig.from_pretrained(config.model.hf_checkpoint))) - 1
-    dataset_options = dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                           apply_chat_template=d.apply_chat_template, max_prompt_len=d.rollout_max_prompt_len,
-                           skip_bad_records=d.skip_bad_records, require_label=needs_label(config),
-                           context=prompt_room)
-    shard = dict(rank=dp.rank, world=dp.world)
-    data = DataSource(PromptDataset(d.prompt_data, tokenizer, **dataset_options), seed=config.train.seed,
-                      shuffle=d.rollout_shuffle, **shard)
-    reward = build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url,
-                          timeout=r.rm_timeout, max_retries=r.rm_max_retries, on_error=r.reward_error)
+    return dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                apply_chat_template=d.apply_chat_template, max_prompt_len=d.rollout_max_prompt_len,
+                skip_bad_records=d.skip_bad_records, require_label=needs_label(config), context=prompt_room)
+
+
+def run_reward(config):
+    r = config.rollout
+    return build_reward(r.rm_type, custom_rm_path=r.custom_rm_path, group_rm=r.group_rm, rm_url=r.rm_url,
+                        timeout=r.rm_timeout, max_retries=r.rm_max_retries, on_error=r.reward_error)
+
+
+def sampling_params(config) -> SamplingParams:
+    r = config.rollout
+    return SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                          max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
+                          stop_token_ids=tuple(r.rollout_stop_token_ids), ignore_eos=r.rollout_ignore_eos)
+
+
+def generate_function(config):
+    """``--custom-generate-function-path``'s function, else the default per-sample one (unseeded)."""
+    path = config.rollout.custom_generate_function_path
+    return load_function(path, what="--custom-generate-function-path", must_be_async=True) if path else generate_sample
+
+
+def build_manager(config, tokenizer, engine, reward, *, rank: int = 0, world: int = 1) -> RolloutManager:
+    """Data-parallel rank ``rank``'s ``RolloutManager`` of ``world``: its shard of the prompt stream
+    (``rollout_batch_size / world`` groups per rollout), generating on ``engine`` (None: set ``manager.engine``
+    before it generates), scored by ``reward``. Built in the rank's process, or under Ray in the rollout manager
+    actor (``redline.loop.ray_rollout``)."""
+    d, r = config.data, config.rollout
+    data = DataSource(PromptDataset(d.prompt_data, tokenizer, **dataset_options(config)), seed=config.train.seed,
+                      shuffle=d.rollout_shuffle, rank=rank, world=world)
+    dynamic_filter = (load_function(r.dynamic_sampling_filter_path, what="--dynamic-sampling-filter-path")
+                      if r.dynamic_sampling_filter_path else None)
+    return RolloutManager(engine, tokenizer, data, reward, params=sampling_params(config),
+                          rollout_batch_size=r.rollout_batch_size // world, n_samples_per_prompt=r.n_samples_per_prompt,
+                          over_sampling_batch_size=(r.over_sampling_batch_size or r.rollout_batch_size) // world,
+                          dynamic_filter=dynamic_filter, partial_rollout=r.partial_rollout,
+                          generate_fn=seeded(generate_function(config), config.train.seed))
+
+
+def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataParallel = SINGLE_PROCESS):
+    """``(engine, LoopRollout)`` for the run; with ``dp.world`` ranks, this rank's engine and its share of the
+    prompts. Under Ray (``redline train --ray-address``) the ranks that generate get their manager from the
+    rollout manager actor; the engine and the evaluation stay in the rank."""
+    d, r = config.data, config.rollout
+    from redline.loop import ray_rollout
     from redline.loop.engine_placement import colocated_engine_seat
 
+    reward = run_reward(config)
+    # the data and the reward before the engine: a bad file or reward path fails the start before a launch
+    if ray_rollout.on_ray() and dp.holds_engine:
+        manager = ray_rollout.remote_manager(config, dp)
+    else:
+        manager = build_manager(config, tokenizer, None, reward, rank=dp.rank, world=dp.world)
     seat = colocated_engine_seat(config)
     # under TP/PP one engine per model-parallel group, on its leader (DataParallel.holds_engine)
     if seat is None:
@@ -323,31 +370,21 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
     else:  # every rank of the seat takes part in its engine's launch (--use-fault-tolerance is refused here)
         engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, seat=seat,
                               attach=dp.holds_engine)
-    params = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
-                            max_new_tokens=r.rollout_max_response_len, stop=tuple(r.rollout_stop),
-                            stop_token_ids=tuple(r.rollout_stop_token_ids), ignore_eos=r.rollout_ignore_eos)
-    generate_fn = (load_function(r.custom_generate_function_path, what="--custom-generate-function-path",
-                                 must_be_async=True) if r.custom_generate_function_path else generate_sample)
-    dynamic_filter = (load_function(r.dynamic_sampling_filter_path, what="--dynamic-sampling-filter-path")
-                      if r.dynamic_sampling_filter_path else None)
-    manager = RolloutManager(engine, tokenizer, data, reward, params=params,
-                             rollout_batch_size=r.rollout_batch_size // dp.world,
-                             n_samples_per_prompt=r.n_samples_per_prompt,
-                             over_sampling_batch_size=(r.over_sampling_batch_size or r.rollout_batch_size) // dp.world,
-                             dynamic_filter=dynamic_filter,
-                             partial_rollout=r.partial_rollout, generate_fn=seeded(generate_fn, config.train.seed))
+    manager.engine = engine
     eval_sets = []
     if d.eval_prompt_data:
-        eval_params = params.replace(temperature=r.eval_temperature, top_p=r.eval_top_p, ignore_eos=False,
-                                     max_new_tokens=r.eval_max_response_len or r.rollout_max_response_len)
-        eval_sets.append(EvalSet(name="eval", dataset=PromptDataset(d.eval_prompt_data, tokenizer, **dataset_options),
+        eval_params = sampling_params(config).replace(
+            temperature=r.eval_temperature, top_p=r.eval_top_p, ignore_eos=False,
+            max_new_tokens=r.eval_max_response_len or r.rollout_max_response_len)
+        eval_sets.append(EvalSet(name="eval", dataset=PromptDataset(d.eval_prompt_data, tokenizer,
+                                                                    **dataset_options(config)),
                                  params=eval_params, n_samples_per_prompt=r.n_samples_per_eval_prompt))
     sft_data = None
     if d.sft_prompt_data and d.sft_prompt_data != d.prompt_data:
-        sft_dataset = PromptDataset(d.sft_prompt_data, tokenizer, **{**dataset_options, "require_label": True})
-        sft_data = DataSource(sft_dataset, seed=config.train.seed, shuffle=True, **shard)
+        sft_dataset = PromptDataset(d.sft_prompt_data, tokenizer, **{**dataset_options(config), "require_label": True})
+        sft_data = DataSource(sft_dataset, seed=config.train.seed, shuffle=True, rank=dp.rank, world=dp.world)
     # every evaluation draws with the same seeds (its own, not the rollouts'): steps differ only by the weights
-    eval_generate_fn = seeded(generate_fn, config.train.seed + 1)
+    eval_generate_fn = seeded(generate_function(config), config.train.seed + 1)
     rollout = LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn, dp)
     rollout.engine_seat = seat
     return engine, rollout

@@ -130,6 +130,15 @@ class RolloutManager:
             "perf/rollout_tokens_per_sec": sum(lengths) / seconds,
         }
 
+    @property
+    def skipped_records(self) -> int:
+        """Malformed records of the prompt file that ``skip_bad_records`` skipped."""
+        return self.data_source.dataset.stats.skipped_bad
+
+    async def close(self) -> None:
+        """Release what the reward holds (a grader process, an HTTP session)."""
+        await self.reward.close()
+
     def state_dict(self) -> dict:
         return {"data_source": self.data_source.state_dict()}
 

@@ -1,5 +1,6 @@
 """``redline train --ray-address``: the quickstart placed by Ray takes the steps it takes without Ray, on one
-local node and on a simulated two-node cluster (``ray.cluster_utils.Cluster``, each node with its own CPU)."""
+local node and on a simulated two-node cluster (``ray.cluster_utils.Cluster``, each node with its own CPU), its
+batches drawn by the rollout manager actor."""
 
 import json
 import os
@@ -42,18 +43,33 @@ def cpu_only():
         pytest.skip("CPU bundles; the GPU acceptance is benchmarks/ray_acceptance.sh")
 
 
+def saved_data_position(out):
+    """The data position (the rollout state of rank 0) of the run's last checkpoint."""
+    from redline.loop import checkpoint
+
+    _, mine = checkpoint.load_state(checkpoint.resolve(out))
+    return mine["rollout"]
+
+
 def test_quickstart_on_a_local_ray_runtime_takes_the_single_process_steps(tmp_path):
-    records, console, _ = train(tmp_path / "ray", "--num-rollout", "3", "--ray-address", "local")
-    single, _, _ = train(tmp_path / "single", "--num-rollout", "3")
+    records, console, _ = train(tmp_path / "ray", "--num-rollout", "3", "--save-interval", "3", "--ray-address",
+                                "local")
+    single, _, _ = train(tmp_path / "single", "--num-rollout", "3", "--save-interval", "3")
     assert "ray: rank 0 on node" in console and "model " in console  # the rank's lines reach the driver
+    assert "ray: data-parallel rank 0's rollouts from the rollout manager actor" in console
     assert_same_records(single, records)
     assert [r["rollout/samples"] for r in records[1:]] == [200.0] * 3  # 25 prompts x 8 samples, every step
+    # the checkpoint keeps the data position the manager actor reached: the one of the run without Ray
+    position = saved_data_position(tmp_path / "ray")
+    assert position == saved_data_position(tmp_path / "single")
+    assert position["data_source"]["position"] >= 3 * 25  # past the three rollouts' prompts
     placement = json.loads((tmp_path / "ray" / "placement.json").read_text())
     assert [row["rank"] for row in placement] == [0] and placement[0]["gpu"] is None
 
 
 def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
     from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the driver's node hosts no rank
     try:
@@ -63,6 +79,7 @@ def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
         batch = ["--rollout-batch-size", "24", "--global-batch-size", "192", "--num-rollout", "3"]
         records, console, _ = train(tmp_path / "ray", *batch, "--embedded-engine-process", "--actor-num-nodes", "2",
                                     "--ray-address", cluster.address)
+        managers = list_actors(address=cluster.address, filters=[("class_name", "=", "RolloutManagerActor")])
     finally:
         cluster.shutdown()
     single, _, _ = train(tmp_path / "single", *batch)
@@ -72,6 +89,11 @@ def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
     assert seen_0["node_id"] != seen_1["node_id"]  # a trainer rank on each node ...
     # ... and each rank's engine process, which the rank starts as its child on its own node
     assert "rollout engine: embedded (own process) (one per data-parallel rank, 2 ranks)" in console
+    # one rollout manager actor serves both ranks' shards, each rank's batch the size it has without Ray
+    assert len(managers) == 1
+    shown = re.findall(r"ray: data-parallel rank (\d)'s rollouts from the rollout manager actor \(process (\d+)\)",
+                       console)
+    assert sorted(rank for rank, _ in shown) == ["0", "1"] and {pid for _, pid in shown} == {str(managers[0].pid)}
     assert [r["rollout/engine_restarts"] for r in records[1:]] == [0] * 3
     assert_same_records(single, without_fault_counters(records))
 

@@ -67,6 +67,12 @@ def test_ray_only_flags_need_a_ray_address(flags, flag):
     check_ray_flags(apply_overrides(RunConfig(), {**flags, "ray_address": "local"}))
 
 
+def test_fully_async_rollout_is_refused_on_ray_by_name():
+    with pytest.raises(ConfigError, match="--async-rollout full is not yet on Ray"):
+        check_ray_flags(apply_overrides(RunConfig(), {"ray_address": "local", "async_rollout": "full"}))
+    check_ray_flags(apply_overrides(RunConfig(), {"ray_address": "local", "async_rollout": "one-step"}))
+
+
 def test_a_rank_bundle_takes_a_gpu_and_an_even_share_of_the_cpus():
     from redline.loop.ray_placement import actor_resources, bundle_for
 

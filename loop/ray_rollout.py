@@ -1,0 +1,160 @@
+"""The rollout manager as a Ray actor (``redline train --ray-address``).
+
+One ``RolloutManagerActor`` per attempt of a run (named by the launcher in ``REDLINE_RAY_ROLLOUT_MANAGER``;
+created by the first rank that asks, so it dies with the attempt's ranks) holds, for every data-parallel rank that
+generates, the ``RolloutManager`` of that rank's shard: the data position, the reward, the dynamic filter, the
+partial-rollout buffer and the fan-out of one generate call per sample. The rank's ``LoopRollout`` talks to it
+through ``RemoteManager``, which has the interface the loop uses of a ``RolloutManager`` (``generate_rollout``,
+``state_dict`` / ``load_state_dict``, ``data_source.get_groups`` for the SFT warm-up, ``skipped_records``,
+``engine``, ``close``), so the step and the checkpoints are the same code with and without Ray.
+
+The engines stay where the rank placed them (in its process, its child process, an SGLang server, the engine
+actors of ``--no-colocate``): the actor reaches its shard's engine through the rank's actor
+(``TrainerRank.call`` → ``relay``), which runs each call on the event loop the rank is awaiting its batch on, so
+the rank's fault tolerance, injected faults and engine group see the calls they see without Ray. The actor batches
+the calls of one event-loop turn into one actor call (``RayEngine``); the relay answers each request with a
+generate call of its own, as the loop makes them without Ray (an ``EngineGroup`` deals them out in turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+MANAGER_ENV = "REDLINE_RAY_ROLLOUT_MANAGER"  # the rollout manager actor's name in this attempt (set by the launcher)
+
+_served: dict = {}  # this rank's RemoteManager ("manager"): its engine answers the actor's calls
+
+
+def on_ray() -> bool:
+    """Whether this rank runs under the Ray launcher, with a rollout manager actor to ask for its batches."""
+    return MANAGER_ENV in os.environ
+
+
+def manager_name(attempt: int) -> str:
+    """The rollout manager actor's name in attempt ``attempt`` (a restarted attempt gets a new actor)."""
+    return f"redline-rollout-manager-{attempt}"
+
+
+class RolloutManagerActor:
+    """A Ray actor (async: the shards' rollouts run concurrently) holding each generating rank's
+    ``RolloutManager``, built from the run's ``config`` here (tokenizer, prompt shard, reward, filter)."""
+
+    def __init__(self, config):
+        self.config = config
+        self.shards: dict = {}
+
+    def register(self, rank: int, world: int, trainer) -> int:
+        """Build data-parallel rank ``rank``'s manager of ``world``, generating through ``trainer`` (the rank's
+        actor handle); returns the prompt file's skipped malformed records."""
+        from transformers import AutoTokenizer
+
+        from redline.loop.ray_engines import RayEngine
+        from redline.loop.rollout_setup import build_manager, run_reward
+
+        tokenizer = AutoTokenizer.from_pretrained(self.config.model.hf_checkpoint)
+        manager = build_manager(self.config, tokenizer, RayEngine(trainer, {}), run_reward(self.config), rank=rank,
+                                world=world)
+        self.shards[rank] = manager
+        return manager.skipped_records
+
+    async def generate(self, rank: int):
+        return await self.shards[rank].generate_rollout()
+
+    def get_groups(self, rank: int, num_groups: int, n_samples_per_prompt: int):
+        return self.shards[rank].data_source.get_groups(num_groups, n_samples_per_prompt)
+
+    def state_dict(self, rank: int) -> dict:
+        return self.shards[rank].state_dict()
+
+    def load_state_dict(self, rank: int, state: dict) -> None:
+        self.shards[rank].load_state_dict(state)
+
+    async def close(self, rank: int) -> None:
+        await self.shards[rank].close()
+
+    def where(self) -> dict:
+        import ray
+
+        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+
+class RemoteDataSource:
+    """The shard's data source in the actor, as far as the SFT warm-up draws from it (``get_groups``)."""
+
+    def __init__(self, actor, rank: int):
+        self.actor, self.rank = actor, rank
+
+    def get_groups(self, num_groups: int, n_samples_per_prompt: int):
+        import ray
+
+        return ray.get(self.actor.get_groups.remote(self.rank, num_groups, n_samples_per_prompt))
+
+
+class RemoteManager:
+    """This rank's shard of the rollout manager actor, with the ``RolloutManager`` interface the loop uses.
+    ``engine``: the rank's engine, which answers the actor's engine calls (``relay``)."""
+
+    def __init__(self, actor, rank: int, world: int):
+        import ray
+
+        self.actor, self.rank = actor, rank
+        self.engine = None
+        self.data_source = RemoteDataSource(actor, rank)
+        trainer = ray.get_runtime_context().current_actor
+        self.skipped_records = ray.get(actor.register.remote(rank, world, trainer))  # fixed once the file is read
+        w = ray.get(actor.where.remote())
+        print(f"ray: data-parallel rank {rank}'s rollouts from the rollout manager actor (process {w['pid']}) on "
+              f"node {w['node_ip']} ({w['node_id'][:8]})", flush=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        _served["manager"] = self
+
+    async def generate_rollout(self):
+        # the actor's engine calls run on this loop, which runs while the rank awaits the batch
+        self._loop = asyncio.get_running_loop()
+        return await self.actor.generate.remote(self.rank)
+
+    def state_dict(self) -> dict:
+        import ray
+
+        return ray.get(self.actor.state_dict.remote(self.rank))
+
+    def load_state_dict(self, state: dict) -> None:
+        import ray
+
+        ray.get(self.actor.load_state_dict.remote(self.rank, state))
+
+    async def close(self) -> None:
+        await self.actor.close.remote(self.rank)
+
+
+def remote_manager(config, dp) -> RemoteManager:
+    """This rank's shard of the attempt's rollout manager actor, created here when no rank has yet; beside the
+    creating rank (its node), taking none of the placement group's bundles."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    actor = ray.remote(RolloutManagerActor).options(
+        name=os.environ[MANAGER_ENV], get_if_exists=True, num_cpus=0, max_restarts=0,
+        scheduling_strategy=here).remote(config)
+    return RemoteManager(actor, dp.rank, dp.world)
+
+
+async def relay(method: str, *args):
+    """One engine call of the rollout manager actor (``TrainerRank.call``), on this rank's engine and on the loop
+    that awaits the batch. ``generate``: one call per request, as without Ray."""
+    manager = _served["manager"]
+    engine = manager.engine
+    if method == "generate":
+        (requests,) = args
+        call = _generate_each(engine, requests)
+    else:
+        call = getattr(engine, method)(*args)
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, manager._loop))
+
+
+async def _generate_each(engine, requests) -> list:
+    answers = await asyncio.gather(*(engine.generate([request]) for request in requests))
+    return [result for answer in answers for result in answer]
