@@ -1,6 +1,8 @@
 """``--no-colocate`` beside a tensor- or pipeline-parallel trainer (gloo on the CPU): the group's leader broadcasts
 the weights its export gathers into embedded engine processes of their own, which then hold the trainer's weights
-bit for bit; whole runs at TP=2 + SP and PP=2 take the single-process ``--no-colocate`` run's steps."""
+bit for bit (an attached stand-in SGLang server: its hashes pass the check); whole runs at TP=2 + SP and PP=2 take
+the single-process ``--no-colocate`` run's steps, also with ``--async-rollout one-step``, and ``full`` trains samples
+of the pushed weights; the async runs resume."""
 
 import multiprocessing as mp
 
