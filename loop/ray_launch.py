@@ -22,7 +22,7 @@ from pathlib import Path
 
 from redline.configfile import ConfigError
 from redline.loop.faults import ATTEMPT_ENV
-from redline.loop.ray_rollout import MANAGER_ENV, manager_name, relay
+from redline.loop.ray_rollout import MANAGER_ENV, manager_name, relay, relay_each
 
 PLACEMENT_FILE = "placement.json"
 # what the ranks inherit from the driver's environment besides what Ray passes on (the fault plan of tests, the
@@ -80,6 +80,11 @@ class TrainerRank:
         """One of this rank's engine's methods, called by the rollout manager actor (as ``EngineHost.call``)."""
         return await relay(method, *args)
 
+    async def generate_each(self, requests):
+        """The rollout manager actor's generate calls on this rank's engine (as ``EngineHost.generate_each``)."""
+        async for finished in relay_each(requests):
+            yield finished
+
 
 def run_on_ray(config, config_path=None) -> int:
     """Place and run ``config`` on the Ray cluster at ``--ray-address``; returns the exit code of rank 0."""
@@ -112,8 +117,8 @@ def run_on_ray(config, config_path=None) -> int:
         placement = _rows(slots, world)
         _announce(placement)
         try:
-            return _attempts(ray, config, config_path, group, slots, world, bundle, placement,
-                             _engines_env(config, slots, world, bundle))
+            return _attempts(ray, config, config_path, group, slots, world, placement,
+                             _seats(config, slots, world, bundle))
         finally:
             if out.is_dir():  # written last: an --overwrite start empties the folder first
                 (out / PLACEMENT_FILE).write_text(json.dumps(placement, indent=1) + "\n")
@@ -137,15 +142,31 @@ def _sglang(config) -> bool:
     return resolve_engine(config) == "sglang"
 
 
-def _engines_env(config, slots, world: int, bundle: dict) -> dict[str, str]:
-    """``--no-colocate`` embedded engines: their bundles (after the trainer's), named to the trainer rank, which
-    starts an engine actor on each (``redline.loop.ray_engines``)."""
-    if len(slots) == world or _sglang(config):
-        return {}
+def _seats(config, slots, world: int, bundle: dict) -> list[tuple[dict, dict[str, str]]]:
+    """Per trainer rank: its actor's options (resources; as many torch threads as the bundle has CPUs) and the
+    engines' bundles it is given (``redline.loop.ray_engines``).
+    A colocated engine process (``--embedded-engine-process``) shares the rank's bundle, each taking a share of it;
+    ``--no-colocate`` embedded engines get the bundles after the trainer's; otherwise the rank takes its whole
+    bundle and starts its engine itself (in its process, or an SGLang server)."""
     from redline.loop import ray_engines, ray_placement
 
-    given = {"bundles": [s.bundle_index for s in slots[world:]], "resources": ray_placement.actor_resources(bundle)}
-    return {ray_engines.ENGINES_ENV: json.dumps(given)}
+    threads = int(bundle["CPU"])
+    threads_env = {"runtime_env": ray_engines.threads_env(threads)}
+    if _shares_bundle(config):
+        share = ray_placement.shared_bundle(bundle)
+        return [({**share, **threads_env}, {ray_engines.ENGINES_ENV: json.dumps(
+            {"bundles": [slot.bundle_index], "resources": share, "threads": threads, "colocated": True})})
+            for slot in slots[:world]]
+    whole = ray_placement.actor_resources(bundle)
+    if len(slots) == world or _sglang(config):
+        return [({**whole, **threads_env}, {})] * world
+    given = {"bundles": [s.bundle_index for s in slots[world:]], "resources": whole, "threads": threads,
+             "colocated": False}
+    return [({**whole, **threads_env}, {ray_engines.ENGINES_ENV: json.dumps(given)})] * world
+
+
+def _shares_bundle(config) -> bool:
+    return config.parallel.colocate and config.rollout.embedded_engine_process and not _sglang(config)
 
 
 def _local_runtime(config) -> dict:
@@ -165,12 +186,12 @@ def _fixed_output_dir(config) -> str:
     return str(output_dir_for(config))
 
 
-def _attempts(ray, config, config_path, group, slots, world, bundle, placement: list[dict], engines_env) -> int:
+def _attempts(ray, config, config_path, group, slots, world, placement: list[dict], seats) -> int:
     from ray.exceptions import RayActorError
 
     restarts = config.checkpoint.max_restarts if config.checkpoint.auto_resume else 0
     for attempt in range(restarts + 1):
-        actors = _start_ranks(ray, group, slots, world, bundle, attempt, engines_env)
+        actors = _start_ranks(ray, group, slots, world, attempt, seats)
         try:
             for row, seen in zip(placement, ray.get([a.where.remote() for a in actors])):
                 row.setdefault("attempts", []).append(seen)
@@ -188,17 +209,18 @@ def _attempts(ray, config, config_path, group, slots, world, bundle, placement: 
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _start_ranks(ray, group, slots, world: int, bundle: dict, attempt: int, engines_env: dict) -> list:
+def _start_ranks(ray, group, slots, world: int, attempt: int, seats) -> list:
+    """One ``TrainerRank`` per slot of the first ``world``, in its seat (``_seats``)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from redline.loop import ray_placement
 
     actor = ray.remote(max_restarts=0)(TrainerRank)
     inherited = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
-    return [actor.options(**ray_placement.actor_resources(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
+    return [actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=slot.bundle_index)).remote(
         {**inherited, **ray_placement.rank_env(slots, rank, world), **engines_env, ATTEMPT_ENV: str(attempt),
          MANAGER_ENV: manager_name(attempt)})
-        for rank, slot in enumerate(slots[:world])]
+        for rank, (slot, (options, engines_env)) in enumerate(zip(slots[:world], seats))]
 
 
 def _wait(ray, pending: list) -> int:

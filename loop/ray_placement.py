@@ -37,6 +37,13 @@ def actor_resources(bundle: dict[str, float]) -> dict[str, float]:
     return {"num_gpus": bundle.get("GPU", 0), "num_cpus": bundle["CPU"]}
 
 
+def shared_bundle(bundle: dict[str, float]) -> dict[str, float]:
+    """The ``.options`` resources of each of two actors sharing one bundle (a trainer rank and the host of its
+    colocated engine process): half its GPU, so Ray gives both the bundle's GPU, and half its CPUs (a fraction:
+    a bundle of one CPU holds both). Each computes with all the bundle's CPUs (``threads_env``): they take turns."""
+    return {key: value / 2 for key, value in actor_resources(bundle).items() if value}
+
+
 def place(ray, count: int, bundle: dict[str, float]):
     """``(placement group, slots)``: the group of ``count`` bundles once Ray has reserved it, and its slots in
     logical order (sorted by node IP, node id, GPU id)."""

@@ -12,8 +12,9 @@ The engines stay where the rank placed them (in its process, its child process, 
 actors of ``--no-colocate``): the actor reaches its shard's engine through the rank's actor
 (``TrainerRank.call`` → ``relay``), which runs each call on the event loop the rank is awaiting its batch on, so
 the rank's fault tolerance, injected faults and engine group see the calls they see without Ray. The actor batches
-the calls of one event-loop turn into one actor call (``RayEngine``); the relay answers each request with a
-generate call of its own, as the loop makes them without Ray (an ``EngineGroup`` deals them out in turn).
+the generate calls of one event-loop turn into one actor call (``RayEngine``); the rank makes each request a
+generate call of its own, as the loop makes them without Ray (an ``EngineGroup`` deals them out in turn), and
+streams the answers back as they finish (``relay_each``).
 """
 
 from __future__ import annotations
@@ -142,19 +143,22 @@ def remote_manager(config, dp) -> RemoteManager:
     return RemoteManager(actor, dp.rank, dp.world)
 
 
+def _on_rank_loop(call):
+    """The coroutine ``call`` run on the loop this rank awaits its batch on, as a future of the running loop."""
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, _served["manager"]._loop))
+
+
 async def relay(method: str, *args):
     """One engine call of the rollout manager actor (``TrainerRank.call``), on this rank's engine and on the loop
-    that awaits the batch. ``generate``: one call per request, as without Ray."""
-    manager = _served["manager"]
-    engine = manager.engine
-    if method == "generate":
-        (requests,) = args
-        call = _generate_each(engine, requests)
-    else:
-        call = getattr(engine, method)(*args)
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, manager._loop))
+    that awaits the batch."""
+    return await _on_rank_loop(getattr(_served["manager"].engine, method)(*args))
 
 
-async def _generate_each(engine, requests) -> list:
-    answers = await asyncio.gather(*(engine.generate([request]) for request in requests))
-    return [result for answer in answers for result in answer]
+async def relay_each(requests):
+    """``RayEngine.generate``'s batch (``TrainerRank.generate_each``): each request a generate call of its own on
+    this rank's engine, as the loop makes them without Ray; yields the answers as they finish."""
+    from redline.loop.ray_engines import as_they_finish
+
+    engine = _served["manager"].engine
+    async for finished in as_they_finish([_on_rank_loop(engine.generate([r])) for r in requests]):
+        yield finished

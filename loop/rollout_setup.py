@@ -147,6 +147,12 @@ def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None,
     if resolve_engine(config) == "sglang":
         return build_sglang_engine(config, log_dir=log_dir, seat=seat, attach=attach)
     if config.rollout.embedded_engine_process:
+        from redline.loop import ray_engines
+
+        if ray_engines.engine_bundles() is not None:  # under Ray: an actor on a share of this rank's bundle
+            (engine,) = ray_engines.start_engines(functools.partial(_embedded_process_on, config, dtype,
+                                                                    weights_from_elsewhere=True))
+            return engine
         return build_embedded_process(config, device=device, dtype=dtype)
     return build_embedded_engine(config, tokenizer, device=device, dtype=dtype)
 
@@ -162,8 +168,9 @@ def build_embedded_engine(config, tokenizer, *, device, dtype):
                           seed=config.train.seed)
 
 
-def build_embedded_process(config, *, device, dtype):
-    """The embedded engine in its own process (spawned; it loads the checkpoint itself)."""
+def build_embedded_process(config, *, device, dtype, weights_from_elsewhere=False):
+    """The embedded engine in its own process (spawned; it loads the checkpoint itself). ``weights_from_elsewhere``:
+    its colocated weight sync comes from another process of the node (``EmbeddedEngineProcess``)."""
     from transformers import AutoConfig
 
     from redline.rollout.embedded.process import EmbeddedEngineProcess
@@ -171,11 +178,11 @@ def build_embedded_process(config, *, device, dtype):
     context = model_context(AutoConfig.from_pretrained(config.model.hf_checkpoint))
     return EmbeddedEngineProcess(config.model.hf_checkpoint, dtype=dtype, device=str(device),
                                  max_batch_size=engine_rows(config), max_seq_len=engine_seq_len(config, context),
-                                 seed=config.train.seed)
+                                 seed=config.train.seed, weights_from_elsewhere=weights_from_elsewhere)
 
 
-def _embedded_process_on(config, dtype, device):
-    return build_embedded_process(config, device=device, dtype=dtype)
+def _embedded_process_on(config, dtype, device, weights_from_elsewhere=False):
+    return build_embedded_process(config, device=device, dtype=dtype, weights_from_elsewhere=weights_from_elsewhere)
 
 
 def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):

@@ -6,7 +6,9 @@ Weights arrive over two paths. The colocated sync of ``redline train`` uses ``we
 bucket k+1 while the engine loads bucket k, checksums on every bucket; CUDA IPC on a GPU, shared memory on the
 CPU). The ``Engine`` protocol's ``update_weights`` / ``load_weights`` remain for callers without a plan: each
 bucket's tensors are pickled through the request queue (one shared-memory / CUDA-IPC handle per tensor) and each
-call returns only after the engine has copied them, so the sender may then reuse its buffers.
+call returns only after the engine has copied them, so the sender may then reuse its buffers. An engine whose
+colocated sync comes from a process other than its parent (``weights_from_elsewhere``: under Ray, the trainer rank
+beside the actor hosting it) serves that channel on a socket instead (``weight_sender_at``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import itertools
 import pickle
 import threading
+from multiprocessing.connection import Client, Listener
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -45,7 +48,8 @@ def _reply(replies, call_id, ok, value) -> None:
 def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
     """Child process: host an EmbeddedEngine and answer ``(call_id, method, args)`` messages in order of arrival
     (calls run concurrently, so a ``pause`` can reach a running ``generate``); serve the colocated sync's
-    sessions on ``weight_conn`` from a thread of its own."""
+    sessions on ``weight_conn`` from a thread of its own, or with ``weight_conn`` None on the first connection to
+    a socket of this node (``weight_address``, reported in the ready message)."""
     from redline.rollout.embedded import broadcast
     from redline.rollout.embedded.colocated import serve_weights
     from redline.rollout.embedded.engine import EmbeddedEngine
@@ -59,8 +63,15 @@ def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
             _reply(replies, _READY, False, exc)
             return
-        serve_weights(engine, weight_conn)
-        _reply(replies, _READY, True, None)
+        address = None
+        if weight_conn is None:
+            listener = Listener(family="AF_UNIX", authkey=mp.current_process().authkey)
+            address = listener.address
+            threading.Thread(target=lambda: serve_weights(engine, listener.accept()), daemon=True,
+                             name="embedded-engine-weights-accept").start()
+        else:
+            serve_weights(engine, weight_conn)
+        _reply(replies, _READY, True, address)
         loop = asyncio.get_running_loop()
         calls = set()
 
@@ -93,21 +104,27 @@ def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
 
 class EmbeddedEngineProcess:
     """Implements ``redline.rollout.engine.Engine``; ``engine_kwargs`` go to ``EmbeddedEngine.from_pretrained``
-    in the child (``dtype``, ``device``, ``max_batch_size`` ...)."""
+    in the child (``dtype``, ``device``, ``max_batch_size`` ...). ``weights_from_elsewhere``: the colocated sync
+    comes from another process of this node, not from this one: the child serves it on the first connection to
+    ``weight_address`` (``weight_sender_at``; this process's ``authkey`` for the connection and, on the CPU, for the
+    shared memory handles, so the other process must share it), and ``weight_sender`` is not this object's."""
 
-    def __init__(self, model_path, *, start_timeout: float = 600.0, **engine_kwargs):
+    def __init__(self, model_path, *, start_timeout: float = 600.0, weights_from_elsewhere: bool = False,
+                 **engine_kwargs):
         ctx = mp.get_context("spawn")
         self._requests, self._replies = ctx.Queue(), ctx.Queue()
-        self._weight_conn, child_weight_conn = ctx.Pipe()
+        self._weight_conn, child_weight_conn = ctx.Pipe() if not weights_from_elsewhere else (None, None)
         self._process = ctx.Process(target=_serve, args=(str(model_path), engine_kwargs, self._requests,
                                                          self._replies, child_weight_conn),
                                     daemon=True, name="embedded-engine")
         self._process.start()
-        child_weight_conn.close()  # the child's end lives in the child: its exit closes the channel for us
-        _, ok, error = pickle.loads(self._replies.get(timeout=start_timeout))
+        if child_weight_conn is not None:
+            child_weight_conn.close()  # the child's end lives in the child: its exit closes the channel for us
+        _, ok, value = pickle.loads(self._replies.get(timeout=start_timeout))
         if not ok:
             self._process.join()
-            raise RuntimeError(f"the embedded engine process failed to start: {error!r}") from error
+            raise RuntimeError(f"the embedded engine process failed to start: {value!r}") from value
+        self.weight_address: str | None = value
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._reader = threading.Thread(target=self._read_replies, daemon=True, name="embedded-engine-replies")
@@ -156,16 +173,13 @@ class EmbeddedEngineProcess:
         engine's GPU, or the CPU over shared memory). One sender per engine: they share the channel, which
         carries one session at a time. ``checksum_row_stride``: 1 checks every row of every bucket, n every
         n-th (and the last). After ``sync``, ``set_weight_version`` publishes the version."""
-        from redline.rollout.embedded.colocated import transport_kind
-        from redline.sync.protocol import WeightSender
-        from redline.sync.receiver import make_transport
-
         if self._closed:
             raise RuntimeError("the embedded engine process is shut down")
-        device = torch.device(device)
-        return WeightSender(self._weight_conn, make_transport(transport_kind(device), device), plan,
-                            num_slots=num_slots, timeout=timeout, alive=self._process.is_alive,
-                            checksum_row_stride=checksum_row_stride)
+        if self._weight_conn is None:
+            raise RuntimeError("this engine takes its weights from another process (weights_from_elsewhere): "
+                               "weight_sender_at(engine.weight_address, ...) there")
+        return _sender(self._weight_conn, plan, device, alive=self._process.is_alive, num_slots=num_slots,
+                       timeout=timeout, checksum_row_stride=checksum_row_stride)
 
     async def set_weight_version(self, version: str) -> None:
         await self._call("set_weight_version", str(version))
@@ -234,7 +248,8 @@ class EmbeddedEngineProcess:
         self._closed = True
         self._process.kill()
         self._process.join()
-        self._weight_conn.close()
+        if self._weight_conn is not None:
+            self._weight_conn.close()
         waiting, self._waiting = self._waiting, {}
         for call_id, (loop, future) in waiting.items():
             error = EngineProcessDied(f"the embedded engine process (pid {self._process.pid}) was killed")
@@ -245,9 +260,27 @@ class EmbeddedEngineProcess:
             return
         await self._call("shutdown")
         self._closed = True
-        self._weight_conn.close()  # ends the child's weight-receiver thread (it is a daemon either way)
+        if self._weight_conn is not None:
+            self._weight_conn.close()  # ends the child's weight-receiver thread (it is a daemon either way)
         await asyncio.to_thread(self._process.join)
         self._replies.put(None)  # ends the reader thread
         await asyncio.to_thread(self._reader.join)
 
 
+def weight_sender_at(address: str, plan, device, *, alive, checksum_row_stride: int = 1, num_slots: int = 2,
+                     timeout: float = 300.0):
+    """``EmbeddedEngineProcess.weight_sender`` from another process of the engine's node, for an engine started
+    with ``weights_from_elsewhere``: connects to its ``weight_address`` (with this process's authkey, which the
+    engine's must equal); ``alive()``: whether the engine process still runs."""
+    return _sender(Client(address, family="AF_UNIX", authkey=mp.current_process().authkey), plan, device,
+                   alive=alive, num_slots=num_slots, timeout=timeout, checksum_row_stride=checksum_row_stride)
+
+
+def _sender(conn, plan, device, *, alive, num_slots: int, timeout: float, checksum_row_stride: int):
+    from redline.rollout.embedded.colocated import transport_kind
+    from redline.sync.protocol import WeightSender
+    from redline.sync.receiver import make_transport
+
+    device = torch.device(device)
+    return WeightSender(conn, make_transport(transport_kind(device), device), plan, num_slots=num_slots,
+                        timeout=timeout, alive=alive, checksum_row_stride=checksum_row_stride)

@@ -80,6 +80,7 @@ def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
         records, console, _ = train(tmp_path / "ray", *batch, "--embedded-engine-process", "--actor-num-nodes", "2",
                                     "--ray-address", cluster.address)
         managers = list_actors(address=cluster.address, filters=[("class_name", "=", "RolloutManagerActor")])
+        hosts = list_actors(address=cluster.address, filters=[("class_name", "=", "EngineHost")])
     finally:
         cluster.shutdown()
     single, _, _ = train(tmp_path / "single", *batch)
@@ -87,8 +88,12 @@ def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
     (seen_0,), (seen_1,) = (row["attempts"] for row in placement)
     assert seen_0["node_id"] == placement[0]["node_id"] and seen_1["node_id"] == placement[1]["node_id"]
     assert seen_0["node_id"] != seen_1["node_id"]  # a trainer rank on each node ...
-    # ... and each rank's engine process, which the rank starts as its child on its own node
+    # ... and each rank's engine process, an actor sharing the rank's bundle (half of its one CPU each)
     assert "rollout engine: embedded (own process) (one per data-parallel rank, 2 ranks)" in console
+    engines = re.findall(r"ray: engine 0 \(process \d+\) on node \S+ \((\w+)\), bundle (\d+) shared with its trainer "
+                         r"rank, each taking \{'num_cpus': 0\.5\}", console)
+    assert sorted(engines) == sorted((row["node_id"][:8], str(row["bundle"])) for row in placement)
+    assert sorted(host.node_id for host in hosts) == sorted(row["node_id"] for row in placement)
     # one rollout manager actor serves both ranks' shards, each rank's batch the size it has without Ray
     assert len(managers) == 1
     shown = re.findall(r"ray: data-parallel rank (\d)'s rollouts from the rollout manager actor \(process (\d+)\)",

@@ -73,6 +73,13 @@ def test_fully_async_rollout_is_refused_on_ray_by_name():
     check_ray_flags(apply_overrides(RunConfig(), {"ray_address": "local", "async_rollout": "one-step"}))
 
 
+def test_a_rank_and_its_engine_process_share_a_bundle_half_and_half():
+    from redline.loop.ray_placement import shared_bundle
+
+    assert shared_bundle({"GPU": 1, "CPU": 4}) == {"num_gpus": 0.5, "num_cpus": 2.0}  # Ray gives both the GPU
+    assert shared_bundle({"CPU": 1}) == {"num_cpus": 0.5}  # on the CPU the same code path: CPU fractions
+
+
 def test_a_rank_bundle_takes_a_gpu_and_an_even_share_of_the_cpus():
     from redline.loop.ray_placement import actor_resources, bundle_for
 

@@ -39,3 +39,37 @@ def test_process_engine_generates_loads_weights_and_reports_errors(model_dir, to
     assert before.output_ids == expected.output_ids and before.logp == expected.logp
     assert after.weight_version == "v1" and after.output_ids != before.output_ids
     assert healthy
+
+
+def test_an_engine_taking_weights_from_elsewhere_serves_its_sync_on_a_socket(model_dir, tokenizer):
+    """``weights_from_elsewhere`` (a trainer rank beside the Ray actor hosting the engine): the colocated sync
+    connects to the engine's ``weight_address``; the process's own ``weight_sender`` is refused."""
+    from redline.rollout.embedded.process import weight_sender_at
+    from redline.sync.plan import plan_for
+
+    request = GenerateRequest(tokenizer.encode("What is 2 + 3?"), SamplingParams(temperature=0.0, max_new_tokens=8))
+
+    async def scenario():
+        engine = EmbeddedEngineProcess(model_dir, dtype=torch.float32, max_batch_size=2, max_seq_len=64,
+                                       weights_from_elsewhere=True)
+        try:
+            [before] = await engine.generate([request])
+            [(name, head)] = [(n, t) for n, t in await engine.export_weights() if n == "lm_head.weight"]
+            flipped = [(name, torch.flip(head, dims=[0]))]
+            with pytest.raises(RuntimeError, match="weight_sender_at"):
+                engine.weight_sender(plan_for(flipped), "cpu")
+            sender = weight_sender_at(engine.weight_address, plan_for(flipped), "cpu", alive=engine.running)
+            try:
+                sender.sync(flipped)
+            finally:
+                sender.close()
+            await engine.set_weight_version("v1")
+            [after] = await engine.generate([request])
+            [(_, loaded)] = [(n, t) for n, t in await engine.export_weights() if n == "lm_head.weight"]
+            return before, after, loaded, flipped[0][1]
+        finally:
+            await engine.shutdown()
+
+    before, after, loaded, sent = asyncio.run(scenario())
+    assert after.weight_version == "v1" and after.output_ids != before.output_ids
+    assert torch.equal(loaded, sent)
