@@ -185,6 +185,22 @@ def _embedded_process_on(config, dtype, device, weights_from_elsewhere=False):
     return build_embedded_process(config, device=device, dtype=dtype, weights_from_elsewhere=weights_from_elsewhere)
 
 
+CUDA_GRAPH_FLAGS = {f"--{p}{name}" for p in ("", "sglang-") for name in ("cuda-graph-max-bs", "disable-cuda-graph",
+                                                                        "cuda-graph-bs")}
+
+
+def decode_batch_bound(config, servers: int) -> int:
+    """The most requests one of ``servers`` SGLang servers may run at once: a rollout round's requests (under
+    ``--async-rollout full`` the ``--max-inflight`` trajectories) spread over them, at most the rollout manager's
+    1024 in flight. Launched servers capture CUDA graphs up to it (``--cuda-graph-max-bs``): SGLang's own default
+    (256 on an H200) leaves a 512-request rollout decoding without graphs, its GPU idle ~40 % of the rollout."""
+    r = config.rollout
+    requests = max(r.rollout_batch_size, r.over_sampling_batch_size or 0) * r.n_samples_per_prompt
+    if r.async_rollout == "full" and r.max_inflight:
+        requests = r.max_inflight
+    return min(1024, -(-requests // servers))
+
+
 def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):
     """SGLang launched from ``--hf-checkpoint`` — one server on the trainer's GPU, or with ``--no-colocate`` one
     server from each of ``gpus`` on — or attached to ``--sglang-server-urls``; each server with tensor-parallel
@@ -203,6 +219,8 @@ def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):
     if not any(a.split("=", 1)[0] in ("--dtype", "--sglang-dtype") for a in args):
         args += ["--dtype", config.model.dtype]  # the trainer's dtype: its buckets load without a cast
     gpus = gpus if gpus is not None else [torch.cuda.current_device()]
+    if not any(a.split("=", 1)[0] in CUDA_GRAPH_FLAGS for a in args):
+        args += ["--cuda-graph-max-bs", str(decode_batch_bound(config, len(gpus)))]
 
     def launch():
         return SGLangEngine.launch(config.model.hf_checkpoint, num_engines=len(gpus), tp_size=tp_size,

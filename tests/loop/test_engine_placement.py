@@ -122,6 +122,27 @@ def test_disaggregated_sglang_engines_launch_with_tp_size_n_on_their_base_gpus(m
     assert (call["num_engines"], call["tp_size"], call["base_gpu_ids"]) == (2, 2, [1, 3])
 
 
+def test_launched_sglang_captures_cuda_graphs_up_to_each_servers_share_of_the_rollout(monkeypatch, tmp_path):
+    recorder = LaunchRecorder(monkeypatch)
+    import torch
+
+    monkeypatch.setattr(rollout_setup, "engine_devices",
+                        lambda c: [torch.device("cuda", 1 + i) for i in range(c.parallel.rollout_num_gpus)])
+    common = dict(rollout_engine="sglang", colocate="false", hf_checkpoint=str(tmp_path), rollout_batch_size="64",
+                  n_samples_per_prompt="8")
+    for extra, expected in [({}, "256"), ({"rollout_num_gpus": "1"}, "512"),
+                            ({"rollout_num_gpus": "1", "over_sampling_batch_size": "96"}, "768"),
+                            ({"rollout_num_gpus": "1", "n_samples_per_prompt": "32"}, "1024"),
+                            ({"rollout_num_gpus": "1", "sglang_args": "--cuda-graph-max-bs=64"}, None),
+                            ({"rollout_num_gpus": "1", "sglang_args": "--sglang-disable-cuda-graph"}, None)]:
+        recorder.calls.clear()
+        rollout_setup.build_engine(config(**(common | {"rollout_num_gpus": "2"} | extra)), None, device="cuda:0",
+                                   dtype=None, log_dir=tmp_path)
+        args = recorder.calls[0]["sglang_args"]
+        bounds = [args[i + 1] for i, a in enumerate(args) if a == "--cuda-graph-max-bs"]
+        assert bounds == ([expected] if expected else []), (extra, args)
+
+
 def test_attached_servers_carry_the_engine_tp_size(tmp_path):
     c = config(rollout_engine="sglang", colocate="false", rollout_num_gpus_per_engine=2,
                sglang_server_urls="http://127.0.0.1:1,http://127.0.0.1:2")
