@@ -51,7 +51,7 @@ class EngineHost:
     """A Ray actor holding one embedded engine process on its node; ``call`` runs one of the engine's methods,
     ``generate_each`` a batch of requests, each a call of its own, streaming the answers as they finish."""
 
-    def __init__(self, make_engine, authkey: bytes | None = None):
+    def __init__(self, make_engine, authkey: bytes | None = None, device: str | None = None):
         import multiprocessing
 
         import ray
@@ -61,7 +61,7 @@ class EngineHost:
             # and on the CPU the engine fetches the rank's shared memory handles with it
             multiprocessing.current_process().authkey = authkey
         gpus = ray.get_gpu_ids()
-        self.engine = make_engine("cuda:0" if gpus else "cpu")
+        self.engine = make_engine(device or ("cuda:0" if gpus else "cpu"))
 
     def where(self) -> dict:
         import ray
@@ -228,11 +228,12 @@ class ColocatedRayEngine(RayEngine):
         await self._call("resume_memory", set(tags))
 
 
-def start_engines(make_engine) -> list[RayEngine]:
+def start_engines(make_engine, device=None) -> list[RayEngine]:
     """One ``RayEngine`` per bundle of ``REDLINE_RAY_ENGINES``: ``make_engine(device)`` (picklable; it runs in the
     actor) builds the engine process there, with ``threads`` torch threads. ``colocated``: the bundle is this
-    rank's own, the engine a ``ColocatedRayEngine`` whose process shares this process's authkey. Returns once every
-    engine has loaded its model."""
+    rank's own, the engine a ``ColocatedRayEngine`` whose process shares this process's authkey, and on a GPU
+    (``device``, this rank's) sees the GPUs this rank sees and uses the rank's: CUDA IPC handles name the device as
+    the sender numbers it. Returns once every engine has loaded its model."""
     import multiprocessing
 
     import ray
@@ -247,10 +248,15 @@ def start_engines(make_engine) -> list[RayEngine]:
     colocated = given["colocated"]
     host = ray.remote(max_restarts=0)(EngineHost)
     authkey = bytes(multiprocessing.current_process().authkey) if colocated else None
-    actors = [host.options(**given["resources"], runtime_env=threads_env(given["threads"]),
+    runtime_env = threads_env(given["threads"])
+    on_gpu = colocated and device is not None and str(device).startswith("cuda")
+    if on_gpu:
+        runtime_env["env_vars"].update(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                                       RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES="1")
+    actors = [host.options(**given["resources"], runtime_env=runtime_env,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                               group, placement_group_bundle_index=index)).remote(make_engine, authkey)
-              for index in given["bundles"]]
+                               group, placement_group_bundle_index=index)).remote(
+        make_engine, authkey, str(device) if on_gpu else None) for index in given["bundles"]]
     kind = ColocatedRayEngine if colocated else RayEngine
     engines = [kind(actor, where) for actor, where in zip(actors, ray.get([a.where.remote() for a in actors]))]
     for i, (engine, index) in enumerate(zip(engines, given["bundles"])):

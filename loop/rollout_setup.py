@@ -151,7 +151,7 @@ def build_engine(config, tokenizer, *, device, dtype, log_dir="logs", seat=None,
 
         if ray_engines.engine_bundles() is not None:  # under Ray: an actor on a share of this rank's bundle
             (engine,) = ray_engines.start_engines(functools.partial(_embedded_process_on, config, dtype,
-                                                                    weights_from_elsewhere=True))
+                                                                    weights_from_elsewhere=True), device=device)
             return engine
         return build_embedded_process(config, device=device, dtype=dtype)
     return build_embedded_engine(config, tokenizer, device=device, dtype=dtype)
