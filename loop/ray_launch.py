@@ -4,10 +4,11 @@ Ray is a placement, not a second loop. The driver (this process) reserves one pl
 (``redline.loop.ray_placement``: one bundle per GPU, PACK, slots sorted by node and GPU id), starts one
 ``TrainerRank`` actor per slot with the environment ``torchrun`` would give it (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR = rank 0's node IP, MASTER_PORT), and each actor calls ``redline.loop.train.run``, the entry of
-``redline train``: the same data-parallel group, the same step. Each rank's colocated engine (embedded engine, its
-own process, or an SGLang server) is started by that rank, so it lives on the rank's node and GPU; engine fault
-tolerance is on by default here (``redline.loop.fault_tolerance``). ``--no-colocate`` embedded engines get bundles
-of their own, wherever Ray places them (``redline.loop.ray_engines``).
+``redline train``: the same data-parallel group, the same step. Each rank's colocated engine is started by that
+rank on its node and GPU: in its process, an SGLang server (its child), or an embedded engine process as an actor
+sharing the rank's bundle (``_seats``; ``redline.loop.ray_engines``); engine fault tolerance is on by default here
+(``redline.loop.fault_tolerance``). ``--no-colocate`` embedded engines get bundles of their own, wherever Ray places
+them. The ranks take their batches from the rollout manager actor (``redline.loop.ray_rollout``).
 
 ``--auto-resume``: when a rank dies, every actor of the attempt is killed (the others would wait in a collective
 until ``--distributed-timeout-minutes``) and new ones continue the run from its last checkpoint (``--load`` of the
