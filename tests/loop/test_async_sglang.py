@@ -4,6 +4,7 @@ time, pauses as SGLang does (``/pause_generation`` in abort mode: running reques
 finish reason "abort"; new ones wait for ``/continue_generation``) and refuses a weight update while any request
 runs, so every step below also shows that no push overlapped generation of the old weights (issue 19)."""
 
+import asyncio
 import itertools
 
 import pytest
@@ -15,12 +16,13 @@ from redline.configfile import apply_overrides
 from redline.loop.builtin import materialize
 from redline.loop.step import rl_step
 from redline.loop.train import build, shutdown
+from redline.rollout.sglang.client import SGLangClient
 
 from tests.rollout.fake_sglang import InterruptibleSGLang, fake_sglang_process
 
 from .test_disaggregated import DISAGGREGATED
 from .test_sglang_disaggregated import received_paths
-from .test_train import small_config
+from .test_train import SMALL, small_config
 
 STEPS = 4
 
@@ -64,21 +66,25 @@ def test_one_step_generates_the_next_rollout_while_training_and_pushes_between_r
 
 @pytest.mark.slow
 def test_full_interrupts_requests_at_each_push_and_continues_them_within_the_bound(tmp_path):
-    # two batches in flight: while the trainer trains and pushes, the next batch's requests are generating
-    with fake_sglang_process("0.5.23", server_cls=InterruptibleSGLang, tick=0.08) as url:
+    # two batches in flight; the stand-in finishes one batch's prompts between pushes and keeps every other request
+    # generating until a push cuts it, so each push finds requests holding tokens of the weights it replaces
+    groups = int(SMALL["rollout_batch_size"])
+    with fake_sglang_process("0.5.23", server_cls=InterruptibleSGLang, tick=0.01, short_prompts=groups) as url:
         metrics, trained = run_steps(tmp_path, url, async_rollout="full", max_staleness="1", max_inflight="40")
         paths = received_paths(url)
+        _, interrupted = asyncio.run(SGLangClient(url).request("GET", "/fake/interrupted"))
     assert all(m["rollout/staleness_max"] <= 1 for m in metrics)
     assert all(m["rollout/samples"] == 20.0 and len(s) == 20 for m, s in zip(metrics, trained))
-    # every push: pause (abort) -> update session -> continue
+    # every push: pause (abort) -> update session -> continue, and each pause cut requests holding tokens
     updates = [p for p in paths if p in ("/pause_generation", "/begin_weight_update", "/end_weight_update",
                                          "/continue_generation")]
     assert updates == ["/pause_generation", "/begin_weight_update", "/end_weight_update",
                        "/continue_generation"] * STEPS
-    samples = [s for batch in trained for s in batch]
-    spanning = [s for s in samples if len(set(s.response_versions)) > 1]
-    assert spanning, "no request was interrupted by a push and continued with the new weights"
-    for s in spanning:  # every token keeps the version that generated it, older tokens first
+    assert len(interrupted) == STEPS and all(interrupted), interrupted
+    # the requests the first push cut are the first to finish after it, with the new weights: the next step trains them
+    assert any(s.response_versions[0] == "0" and s.response_versions[-1] == "1" for s in trained[1]), \
+        "no request was interrupted by the first push and continued with the new weights"
+    for s in (s for batch in trained for s in batch):  # every token keeps the version that generated it, oldest first
         versions = [int(v) for v in s.response_versions]
         assert versions == sorted(versions)
         assert [str(v) for v, _ in itertools.groupby(versions)] == s.weight_versions

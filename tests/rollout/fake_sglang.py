@@ -201,20 +201,34 @@ class InterruptibleSGLang(FakeSGLang):
     ``/pause_generation {"mode": "abort"}``: every running request ends (finish reason "abort", with the tokens it
     has, reporting the weight version that made them) and the call answers once none runs; a request that arrives
     while paused waits for ``/continue_generation``. It refuses a weight update while a request runs (HTTP 400),
-    so a push that overlaps generation fails the caller."""
+    so a push that overlaps generation fails the caller. ``GET /fake/interrupted`` lists, for each abort, how many
+    requests it cut that held tokens.
 
-    def __init__(self, tick=0.002, **options):
+    ``short_prompts`` makes the stand-in, not the run's timing, decide which requests a push finds generating: of
+    the requests that start between two pauses, those of the first ``short_prompts`` prompts (distinct input ids;
+    a group's samples share theirs, so a group is short or long as a whole) run to their end; every other request
+    is a long response: it generates its first token and then runs on, whatever the time, until a pause cuts it
+    (one with a single token to go just finishes). None: every request runs to its end unless a pause cuts it."""
+
+    def __init__(self, tick=0.002, short_prompts=None, **options):
         super().__init__(**options)
-        self.tick = tick
+        self.tick, self.short_prompts = tick, short_prompts
         self.state = threading.Condition()
         self.paused, self.running, self.aborts = False, 0, 0
+        self.short: set[tuple[int, ...]] = set()  # the prompts that run to their end, since the last pause
+        self.interrupted: list[int] = []  # per abort: the requests it cut that held tokens
 
     def route(self, path, body):
         if path == "/generate":
             return self.generate(body)
         if path == "/pause_generation":
             with self.state:
-                self.paused, self.aborts = True, self.aborts + ((body or {}).get("mode") == "abort")
+                self.paused = True
+                self.short.clear()
+                if (body or {}).get("mode") == "abort":
+                    self.aborts += 1
+                    self.interrupted.append(0)
+                    self.state.notify_all()  # the long responses wait for it
                 self.state.wait_for(lambda: self.running == 0)
             return 200, None
         if path == "/continue_generation":
@@ -222,25 +236,32 @@ class InterruptibleSGLang(FakeSGLang):
                 self.paused = False
                 self.state.notify_all()
             return 200, None
+        if path == "/fake/interrupted":
+            with self.state:
+                return 200, list(self.interrupted)
         if path in ("/update_weights_from_distributed", "/update_weights_from_tensor") and self.running:
             return 400, {"success": False, "message": f"weight update while {self.running} requests generate"}
         return super().route(path, body)
 
+    def is_long(self, prompt: tuple[int, ...], n: int) -> bool:
+        """Whether a request starting now (the state's lock held) runs until a pause cuts it."""
+        if self.short_prompts is None or n < 2:
+            return False
+        if prompt in self.short or len(self.short) < self.short_prompts:
+            self.short.add(prompt)
+            return False
+        return True
+
     def generate(self, body):
         n = body["sampling_params"]["max_new_tokens"]
+        tokens = list(reversed(body["input_ids"]))[:n]
         with self.state:
             self.state.wait_for(lambda: not self.paused)
             self.running += 1
             aborts = self.aborts
+            long = self.is_long(tuple(body["input_ids"]), n)
         try:
-            out, reason = [], "length"
-            for token in list(reversed(body["input_ids"]))[:n]:
-                time.sleep(self.tick)
-                with self.state:
-                    if self.aborts != aborts:
-                        reason = "abort"
-                        break
-                out.append(token)
+            out, reason = (self.long_response if long else self.response)(tokens, aborts)
             version = self.weight_version
         finally:
             with self.state:
@@ -251,3 +272,26 @@ class InterruptibleSGLang(FakeSGLang):
                                                    "prefill"}, "prompt_tokens": 0, "completion_tokens": 0}}
         return 200, {"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in out],
                                    "finish_reason": {"type": reason}, "weight_version": version}}
+
+    def response(self, tokens: list[int], aborts: int) -> tuple[list[int], str]:
+        """A token per tick to the end, unless an abort after ``aborts`` comes first."""
+        out = []
+        for token in tokens:
+            time.sleep(self.tick)
+            with self.state:
+                if self.aborts != aborts:
+                    return self.cut(out, aborts)
+            out.append(token)
+        return out, "length"
+
+    def long_response(self, tokens: list[int], aborts: int) -> tuple[list[int], str]:
+        """The first token (a pause waits for it), then nothing more until an abort after ``aborts``."""
+        time.sleep(self.tick)
+        with self.state:
+            self.state.wait_for(lambda: self.aborts != aborts)
+            return self.cut(tokens[:1], aborts)
+
+    def cut(self, out: list[int], aborts: int) -> tuple[list[int], str]:
+        """``out``, ended by the first abort after ``aborts`` (the state's lock held); counted if it holds tokens."""
+        self.interrupted[aborts] += bool(out)
+        return out, "abort"
