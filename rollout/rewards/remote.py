@@ -55,7 +55,9 @@ class RemoteRewardModel:
         """The aiohttp session and semaphore, made inside the running event loop they belong to."""
         aiohttp = require("aiohttp", "the remote reward model")
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            # limit=0: max_concurrency is the one bound (aiohttp's own default would hold it to 100 connections)
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  connector=aiohttp.TCPConnector(limit=0))
             self._semaphore = asyncio.Semaphore(self.max_concurrency)
         return aiohttp, self._session, self._semaphore
 

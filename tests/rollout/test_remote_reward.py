@@ -54,7 +54,10 @@ class RewardServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client timed out and hung up (the timeout test does this on purpose)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 512  # many clients connect at once (socketserver's default backlog is 5)
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/reward"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -114,6 +117,13 @@ def test_concurrency_limit_caps_requests_in_flight():
         model = RemoteRewardModel(server.url, max_concurrency=2)
         assert asyncio.run(score_all(model, ["a"] * 8)) == [1.0] * 8
         assert server.peak == 2
+
+
+def test_concurrency_above_a_hundred_is_not_capped_by_the_http_client():
+    with RewardServer(delay=1.0) as server:
+        model = RemoteRewardModel(server.url, max_concurrency=150)
+        assert asyncio.run(score_all(model, ["a"] * 150)) == [1.0] * 150
+        assert server.peak == 150
 
 
 def test_non_numeric_answer_raises():
