@@ -11,7 +11,9 @@ own process one after the other (a fresh CUDA context each; a missing package is
 
 * ``redline-embedded``: ``redline train`` colocated with the embedded engine, ``--offload-rollout``;
 * ``redline-sglang``: the same with SGLang (needs ``sglang``);
-* ``trl``: TRL's ``GRPOTrainer`` with its default generation (``e2e_trl.py``; needs ``trl``).
+* ``trl``: TRL's ``GRPOTrainer`` with its default generation (``e2e_trl.py``; needs ``trl``);
+* ``trl-vllm``: the same with vLLM colocated (``use_vllm``, ``vllm_mode="colocate"``), run by
+  ``--trl-vllm-python`` (vLLM 0.26.0 lives in a venv of its own on the GPU machine: ``stage_peers.py vllm``).
 
 Per trainer: step time, generated and trained tokens/s, per-phase seconds, peak GPU memory, train-phase MFU and
 the GPU's idle share (NVML, ``redline.gpu_telemetry``). Each trainer's result lands in
@@ -37,7 +39,7 @@ from e2e_redline import config_toml, read_records
 from e2e_workload import TINY, Workload, records_from_json, summarize, write_prompts
 
 HERE = Path(__file__).resolve().parent
-TRAINERS = ("redline-embedded", "redline-sglang", "trl")
+TRAINERS = ("redline-embedded", "redline-sglang", "trl", "trl-vllm")
 BASELINE = "trl"  # ratios in the table are against it
 HEADER = ("| trainer | steps | step s | generated tok/s | trained tok/s | vs TRL | phases (mean s) | peak GPU GB "
           "| train MFU | GPU idle |")
@@ -59,14 +61,27 @@ def gpu_name(env: dict) -> str | None:
     return devices[0]["name"] if devices else None
 
 
-def unavailable(trainer: str, has_gpu: bool) -> str | None:
-    """Why ``trainer`` cannot run here, or None."""
+def unavailable(trainer: str, has_gpu: bool, trl_vllm_python: str = sys.executable) -> str | None:
+    """Why ``trainer`` cannot run here, or None. For ``trl-vllm``, ``trl_vllm_python`` (the interpreter that runs
+    it) must import TRL and vLLM: a real import, which also catches a vLLM built for another torch or CUDA."""
     from redline.extras import available
 
     if trainer == "redline-sglang" and not (available("sglang") and has_gpu):
         return "SGLang is not installed" if not available("sglang") else "SGLang needs a CUDA GPU"
     if trainer == "trl" and not available("trl"):
         return "TRL is not installed (pip install trl)"
+    if trainer == "trl-vllm":
+        try:
+            probe = subprocess.run([trl_vllm_python, "-c", "import trl, vllm"], capture_output=True, text=True,
+                                   timeout=600)
+        except subprocess.TimeoutExpired:
+            return f"importing TRL and vLLM with {trl_vllm_python} took over 600 s"
+        if probe.returncode:
+            why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+            return (f"vLLM does not import with {trl_vllm_python} ({why}); stage it with "
+                    "`python3 benchmarks/stage_peers.py vllm` and pass --trl-vllm-python")
+        if not has_gpu:
+            return "vLLM colocate needs a CUDA GPU"
     return None
 
 
@@ -132,15 +147,23 @@ def run_redline(trainer: str, workload: Workload, model_dir: Path, prompts: Path
                          "offload_rollout": True, "layer_backend": "bf16", "extra_flags": extra}}
 
 
-def run_trl(workload: Workload, model_dir: Path, prompts: Path, folder: Path, args) -> dict:
+def trl_spec(trainer: str, workload: Workload, model_dir: Path, prompts: Path, result: Path, args) -> dict:
+    """What ``e2e_trl.py`` runs for ``trainer`` (``trl`` or ``trl-vllm``)."""
+    spec = {"workload": dataclasses.asdict(workload), "model_dir": str(model_dir), "prompts": str(prompts),
+            "out": str(result), "per_device_train_batch_size": args.trl_micro_batch,
+            "generation_batch_size": args.trl_generation_batch_size}
+    if trainer == "trl-vllm":
+        spec["vllm"] = {"gpu_memory_utilization": args.trl_vllm_gpu_memory_utilization}
+    return spec
+
+
+def run_trl(trainer: str, workload: Workload, model_dir: Path, prompts: Path, folder: Path, args) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     spec = folder / "spec.json"
     result = folder / "trl.json"
-    spec.write_text(json.dumps({"workload": dataclasses.asdict(workload), "model_dir": str(model_dir),
-                                "prompts": str(prompts), "out": str(result),
-                                "per_device_train_batch_size": args.trl_micro_batch,
-                                "generation_batch_size": args.trl_generation_batch_size}))
-    error = run_process([sys.executable, str(HERE / "e2e_trl.py"), str(spec)], folder / "log.txt",
+    spec.write_text(json.dumps(trl_spec(trainer, workload, model_dir, prompts, result, args)))
+    python = args.trl_vllm_python if trainer == "trl-vllm" else sys.executable
+    error = run_process([python, str(HERE / "e2e_trl.py"), str(spec)], folder / "log.txt",
                         args.trainer_timeout, dict(os.environ, PYTHONUNBUFFERED="1"))
     if not result.exists():
         return {"records": [], "error": error or f"no result written; see {folder / 'log.txt'}"}
@@ -151,8 +174,8 @@ def measure(trainer: str, workload: Workload, model_dir: Path, prompts: Path, ou
     """Run one trainer and summarise it; the result (also written to ``OUT/<shape>/<trainer>.json``)."""
     started = time.time()
     folder = out / workload.shape / trainer
-    if trainer == "trl":
-        raw = run_trl(workload, model_dir, prompts, folder, args)
+    if trainer in ("trl", "trl-vllm"):
+        raw = run_trl(trainer, workload, model_dir, prompts, folder, args)
     else:
         raw = run_redline(trainer, workload, model_dir, prompts, folder, args)
     result = {"trainer": trainer, "shape": workload.shape, "workload": dataclasses.asdict(workload),
@@ -261,7 +284,7 @@ def write_report(out: Path, env: dict) -> list[Path]:
     return [p for p in (out / "e2e.json", out / "e2e.md", out / "e2e.png") if p.exists()]
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="output folder")
     ap.add_argument("--shapes", default="qwen3-1.7b", help="built-in model shapes, comma-separated "
@@ -283,7 +306,19 @@ def main(argv=None) -> int:
     ap.add_argument("--trl-micro-batch", type=int, default=8, help="TRL's per_device_train_batch_size")
     ap.add_argument("--trl-generation-batch-size", type=int, default=None,
                     help="TRL's generation_batch_size (default: TRL's, the whole step's prompts x samples)")
+    ap.add_argument("--trl-vllm-gpu-memory-utilization", type=float, default=0.55,
+                    help="trl-vllm: vLLM's share of the GPU's memory (TRL's default is 0.3; the 1.7B shape's 512 "
+                    "sequences of 1152 tokens need ~63 GiB of KV cache, which 0.55 of an H200 holds beside the "
+                    "weights)")
+    ap.add_argument("--trl-vllm-python", default=sys.executable,
+                    help="trl-vllm: the Python that imports TRL and vLLM (default: this one; on the GPU machine "
+                    "stage_peers.py's venv, /tmp/venv-vllm/bin/python3)")
     ap.add_argument("--report-only", action="store_true", help="only redraw OUT's table and plot")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -302,7 +337,7 @@ def main(argv=None) -> int:
             (args.out / shape).mkdir(exist_ok=True)
             prompts = write_prompts(args.out / shape / "prompts.jsonl", workload)
             for trainer in trainers:
-                reason = unavailable(trainer, has_gpu)
+                reason = unavailable(trainer, has_gpu, args.trl_vllm_python)
                 if reason:
                     result = {"trainer": trainer, "shape": shape, "workload": dataclasses.asdict(workload),
                               "skipped": reason}

@@ -138,6 +138,49 @@ def test_tiny_benchmark_runs_trl(tiny_bench, tmp_path):
     assert result["settings"]["generation_batch_size"] == workload.samples_per_step
 
 
+def test_trl_spec_generates_with_transformers_at_fixed_length(tiny_bench, tmp_path):
+    import e2e_trl
+
+    args = tiny_bench.parser().parse_args([str(tmp_path)])
+    workload = Workload()
+    spec = tiny_bench.trl_spec("trl", workload, tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "r.json", args)
+    settings = e2e_trl.grpo_settings(spec, cuda=True)
+    assert "vllm" not in spec and "use_vllm" not in settings
+    assert settings["generation_kwargs"] == {"min_new_tokens": 1024} and settings["bf16"]
+    assert settings["gradient_accumulation_steps"] * settings["per_device_train_batch_size"] == 512
+
+
+def test_trl_vllm_spec_colocates_vllm_with_the_memory_share(tiny_bench, tmp_path):
+    import e2e_trl
+
+    args = tiny_bench.parser().parse_args([str(tmp_path), "--trl-vllm-gpu-memory-utilization", "0.6"])
+    workload = Workload()
+    spec = tiny_bench.trl_spec("trl-vllm", workload, tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "r.json",
+                               args)
+    settings = e2e_trl.grpo_settings(spec, cuda=True)
+    assert (settings["use_vllm"], settings["vllm_mode"], settings["vllm_gpu_memory_utilization"]) == (
+        True, "colocate", 0.6)
+    assert settings["vllm_max_model_length"] == 128 + 1024
+    assert settings["generation_kwargs"] == {"min_tokens": 1024}  # vLLM's SamplingParams name for min_new_tokens
+    trl = pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
+    config = trl.GRPOConfig(**(e2e_trl.grpo_settings(spec, cuda=False) | {"output_dir": str(tmp_path / "trl")}))
+    assert config.use_vllm and config.vllm_mode == "colocate" and config.vllm_gpu_memory_utilization == 0.6
+    assert config.generation_batch_size == workload.samples_per_step  # one vLLM round of 512 per optimizer step
+
+
+def test_trl_vllm_is_skipped_with_the_reason_when_vllm_does_not_import(tiny_bench, tmp_path):
+    from redline.extras import available
+
+    if available("vllm"):
+        pytest.skip("vLLM is installed here")
+    assert tiny_bench.main([str(tmp_path), "--tiny", "--trainers", "trl-vllm",
+                            "--model-cache", str(tmp_path / "models")]) == 0
+    skipped = json.loads((tmp_path / "tiny" / "trl-vllm.json").read_text())["skipped"]
+    assert "vLLM does not import" in skipped and "No module named 'vllm'" in skipped
+    assert "stage_peers.py vllm" in skipped
+    assert f"| trl-vllm | — | — | — | — | — | {skipped} |" in (tmp_path / "e2e.md").read_text()
+
+
 def test_cli_entry_runs_the_benchmark_script(tmp_path):
     from click.testing import CliRunner
 
