@@ -379,19 +379,22 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
     rollout manager actor; the engine and the evaluation stay in the rank."""
     d, r = config.data, config.rollout
     from redline.loop import ray_rollout
+    from redline.loop.dealt_rollout import generates, rollout_shard
     from redline.loop.engine_placement import colocated_engine_seat
 
     reward = run_reward(config)
+    # with --no-colocate under DP > 1 rank 0 alone generates, the whole batch (loop/dealt_rollout.py)
+    shard = rollout_shard(config, dp)
     # the data and the reward before the engine: a bad file or reward path fails the start before a launch
-    if ray_rollout.on_ray() and dp.holds_engine:
-        manager = ray_rollout.remote_manager(config, dp)
+    if ray_rollout.on_ray() and generates(config, dp):
+        manager = ray_rollout.remote_manager(config, shard)
     else:
-        manager = build_manager(config, tokenizer, None, reward, rank=dp.rank, world=dp.world)
+        manager = build_manager(config, tokenizer, None, reward, rank=shard.rank, world=shard.world)
     seat = colocated_engine_seat(config)
     # under TP/PP one engine per model-parallel group, on its leader (DataParallel.holds_engine)
     if seat is None:
         engine = watched_engine(config, lambda: build_engine(config, tokenizer, device=device, dtype=dtype,
-                                                             log_dir=log_dir)) if dp.holds_engine else None
+                                                             log_dir=log_dir)) if generates(config, dp) else None
     else:  # every rank of the seat takes part in its engine's launch (--use-fault-tolerance is refused here)
         engine = build_engine(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, seat=seat,
                               attach=dp.holds_engine)
@@ -410,6 +413,6 @@ def build_rollout(config, tokenizer, *, device, dtype, log_dir="logs", dp: DataP
         sft_data = DataSource(sft_dataset, seed=config.train.seed, shuffle=True, rank=dp.rank, world=dp.world)
     # every evaluation draws with the same seeds (its own, not the rollouts'): steps differ only by the weights
     eval_generate_fn = seeded(generate_function(config), config.train.seed + 1)
-    rollout = LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn, dp)
+    rollout = LoopRollout(manager, engine, tokenizer, eval_sets, reward, sft_data, eval_generate_fn, shard)
     rollout.engine_seat = seat
     return engine, rollout

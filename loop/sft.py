@@ -1,6 +1,7 @@
 """Supervised fine-tuning on labelled prompts: the ``--sft-steps`` warm-up before RL, or ``--loss-type sft``."""
 
 from redline.loop.batching import aggregation_weight, pack, split_by_token_budget
+from redline.loop.dealt_rollout import evaluation
 from redline.loop.train_offload import ensure_resident
 from redline.rollout.types import Sample
 
@@ -37,7 +38,7 @@ def sft_warmup(state, tokenizer) -> dict[str, float]:
     state.loop.run_until_complete(state.weight_sync.push("0"))  # policy version 0: the weights step 0 trains
     metrics = {"sft/loss": results[-1]["sft_loss"] if results else float("nan"), "sft/steps": float(len(results))}
     if state.rollout.has_eval:
-        metrics.update(state.dp.from_model_leader(lambda: state.loop.run_until_complete(state.rollout.evaluate(-1))))
+        metrics.update(evaluation(state, -1))
     return metrics
 
 

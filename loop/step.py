@@ -16,6 +16,7 @@ from redline.kernels.reference import kl_estimate
 from redline.loop.advantages import AdaptiveKLController, compute_advantages
 from redline.loop.batching import aggregation_weight, balance_across_ranks, pack, split_by_token_budget
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
+from redline.loop.dealt_rollout import rollout_batch
 from redline.rollout.types import Sample
 
 
@@ -101,8 +102,9 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     #    generated while the last step trained)
     state.on_phase("rollout")
     state.telemetry.phase("rollout")
-    # under TP/PP the model-parallel group's leader generates for its DP rank and hands the group the samples
-    samples, metrics = dp.from_model_leader(lambda: state.loop.run_until_complete(state.rollout.generate(rollout_id)))
+    # under TP/PP the model-parallel group's leader generates for its DP rank and hands the group the samples;
+    # with --no-colocate under DP > 1 rank 0 generates the whole batch and deals its groups out
+    samples, metrics = rollout_batch(state, rollout_id)
     t0 = clock()
     rollout_time = t0 - step_start
     state.telemetry.phase("offload_rollout")

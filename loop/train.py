@@ -16,6 +16,7 @@ from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
 from redline.loop.critic import CriticWorker
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel, init_data_parallel
+from redline.loop.dealt_rollout import ReplicaWeightSync, deals_rollouts, evaluation
 from redline.loop.determinism import deterministic_algorithms
 from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.health import RunHealth
@@ -103,9 +104,12 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         engine_name += " (own process)"
     if config.parallel.rollout_num_gpus_per_engine > 1:
         engine_name += f" (TP={config.parallel.rollout_num_gpus_per_engine} per server)"
+    elif deals_rollouts(config, dp):
+        engine_name += (f" (driven by rank 0 for all {dp.world} data-parallel ranks: it generates each whole batch "
+                        "and deals its groups out)")
     elif dp.world > 1:
         engine_name += f" (one per data-parallel rank, {dp.world} ranks)"
-    if dp.model_parallel and config.parallel.rollout_num_gpus_per_engine == 1:  # one engine per group, unsharded
+    if dp.model_parallel and config.parallel.rollout_num_gpus_per_engine == 1 and not deals_rollouts(config, dp):
         engine_name += (f" ({'on' if config.parallel.colocate else 'driven by'} TP rank 0 of the first pipeline "
                         f"stage of each model-parallel group, unsharded; TP={dp.state.tp} × PP={dp.state.pp} trainer)")
     console.print(f"rollout engine: {engine_name}")
@@ -134,8 +138,13 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         broadcast = {"bucket_bytes": config.sync.update_weight_buffer_size, "device": device,
                      "timeout_s": config.parallel.distributed_timeout_minutes * 60,
                      "verify": config.sync.check_sglang_weights or config.sync.check_weights}
-        weight_sync = (ModelParallelBroadcastSync(model, engines, dp, **broadcast) if dp.model_parallel
-                       else BroadcastWeightSync(model, engines, **broadcast))
+        if deals_rollouts(config, dp) and dp.rank > 0:  # DP rank 0's group pushes the weights every replica holds
+            weight_sync = ReplicaWeightSync(dp, checks=dp.holds_engine and broadcast["verify"]
+                                            and resolve_engine(config) == "sglang")
+        elif dp.model_parallel:
+            weight_sync = ModelParallelBroadcastSync(model, engines, dp, **broadcast)
+        else:
+            weight_sync = BroadcastWeightSync(model, engines, **broadcast)
         try:
             loop.run_until_complete(weight_sync.connect())
         except BaseException:
@@ -342,8 +351,7 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
             startup = {}
         if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
             progress.phase("eval")
-            step_metrics.update(dp.from_model_leader(
-                lambda: state.loop.run_until_complete(state.rollout.evaluate(rollout_id))))
+            step_metrics.update(evaluation(state, rollout_id))
             progress.evaluation(step, step_metrics)
         log(step, step_metrics)
         faults.after_step(dp.rank, step)  # REDLINE_FAULT=kill-trainer:RANK@step:S (tests of --auto-resume)

@@ -253,7 +253,8 @@ def warm_up(state, console, clock: CompileClock, version: str) -> dict[str, floa
     sizes = compile_step_kernels(state)
     if offload:  # every rank of a model-parallel group takes part in the push
         state.loop.run_until_complete(state.weight_sync.push(version))
-    batches = warm_engine(state) if state.dp.holds_engine else 0  # under TP/PP its group's leader's engine
+    # under TP/PP its group's leader's engine; with --no-colocate under DP > 1 rank 0's alone
+    batches = warm_engine(state) if state.engine is not None else 0
     paid = clock.take()
     metrics.update({"perf/startup_compile_time": time.perf_counter() - began,
                     "perf/startup_compile_count": paid["perf/compile_count"]})
