@@ -85,9 +85,15 @@ def check_async(config, world_size: int = 1) -> None:
         raise ConfigError(f"--async-rollout {mode} with --offload-train: the trainer trains while the engine "
                           f"generates, so its state cannot be paused meanwhile; drop --offload-train")
     p = config.parallel
-    if world_size > p.tensor_model_parallel_size * p.pipeline_model_parallel_size:  # TP/PP: check_model_parallel
+    group = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if world_size > group:  # TP/PP: check_model_parallel
+        # with --no-colocate rank 0's schedule would generate for every DP rank, but the engine-side metrics (busy
+        # clock, per-staleness gaps) are per rank and the step's DP reduction would average them: not wired yet
         raise ConfigError(f"--async-rollout {mode} runs the trainer in one process (or one TP × PP group with "
-                          f"--no-colocate), not {world_size} torchrun ranks of data parallelism")
+                          f"--no-colocate), not {world_size} torchrun processes = {world_size // group} data-parallel "
+                          f"ranks × --tensor-model-parallel-size {p.tensor_model_parallel_size} × "
+                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: use --async-rollout off "
+                          f"with data parallelism, or launch {group} processes")
     if config.algo.loss_type == "sft":
         raise ConfigError(f"--async-rollout {mode} schedules RL rollouts; --loss-type sft has none")
     if r.max_staleness is not None and r.max_staleness < 0:

@@ -282,16 +282,18 @@ def check_load(load, layout: dict[str, int]) -> None:
 
 
 def check_data_parallel(config, world_size: int) -> None:
-    """``torchrun`` with ``world_size`` processes: colocated data parallelism and batches that split evenly (one
-    GPU per local rank is checked when the process group starts, ``init_data_parallel``)."""
-    import os
-
-    p = config.parallel
-    if not p.colocate and p.tensor_model_parallel_size * p.pipeline_model_parallel_size == 1:
-        raise ConfigError(f"--no-colocate runs in one launcher process (the engines are its children), but this is "
-                          f"rank {os.environ.get('RANK', '?')} of {world_size} under torchrun: drop --no-colocate "
-                          "(each rank then trains with its own colocated engine), or run without torchrun")
-    r, t = config.rollout, config.train
+    """``world_size`` data-parallel ranks under ``torchrun``: batches that split evenly (one GPU per local rank is
+    checked when the process group starts, ``init_data_parallel``), and with ``--no-colocate`` (rank 0 draws every
+    rollout) SFT prompts of their own."""
+    p, r, t = config.parallel, config.rollout, config.train
+    sft_from_rollout_prompts = (t.sft_steps > 0 or config.algo.loss_type == "sft") and (
+        config.data.sft_prompt_data in (None, config.data.prompt_data))
+    if not p.colocate and world_size > 1 and sft_from_rollout_prompts:
+        sft = f"--sft-steps {t.sft_steps}" if t.sft_steps > 0 else "--loss-type sft"
+        raise ConfigError(f"--no-colocate with {world_size} data-parallel ranks: rank 0 draws every rollout from "
+                          f"--prompt-data {config.data.prompt_data}, while each rank draws its SFT prompts ({sft}) "
+                          "from a shard of its own, so with one file for both the run would not draw the prompts "
+                          "one process draws: give --sft-prompt-data a file of its own")
     for flag, value in (("--rollout-batch-size", r.rollout_batch_size), ("--global-batch-size", t.global_batch_size),
                         ("--over-sampling-batch-size", r.over_sampling_batch_size or r.rollout_batch_size)):
         if value % world_size:
@@ -323,11 +325,6 @@ def check_model_parallel(config, world_size: int) -> None:
                           "--tensor-model-parallel-size > 1 (got 1)")
     if tp * pp == 1:
         return
-    if not p.colocate and world_size > tp * pp:
-        raise ConfigError(f"--no-colocate with --tensor-model-parallel-size {tp} × --pipeline-model-parallel-size "
-                          f"{pp} runs one model-parallel group, whose rank 0 broadcasts the weights to the engines: "
-                          f"launch {tp * pp} torchrun processes, not {world_size} (data parallelism beside "
-                          f"--no-colocate is not supported yet), or drop --no-colocate")
     if pp > 1 and config.algo.advantage_estimator == "ppo":
         raise ConfigError(f"--advantage-estimator ppo: the critic runs under TP and DP, not yet under "
                           f"--pipeline-model-parallel-size {pp}; use 1, or a critic-free estimator (grpo ...)")
@@ -371,9 +368,10 @@ def check_distributed_timeout(config) -> None:
 
 def check_placement(config, world_size: int = 1) -> None:
     """One process; or ``world_size`` processes under ``torchrun``: DP × TP × PP (``check_world_size``,
-    ``check_model_parallel``), each data-parallel rank with its colocated engine; or (one process, or one TP × PP
-    group) with ``--no-colocate`` engines on the GPUs after the trainer's — embedded engine processes (also on the
-    CPU of a CPU machine) or SGLang servers, launched or attached — weights pushed by broadcast."""
+    ``check_model_parallel``), each data-parallel rank with its colocated engine; or with ``--no-colocate`` engines
+    on the GPUs after all of the trainer's (driven by rank 0; under DP > 1 ``loop/dealt_rollout.py``) — embedded
+    engine processes (also on the CPU of a CPU machine) or SGLang servers, launched or attached — weights pushed
+    by broadcast."""
     import torch
 
     from redline.loop.rollout_setup import resolve_engine
@@ -403,8 +401,9 @@ def check_placement(config, world_size: int = 1) -> None:
             takes, lower = "GPU 0", "--rollout-num-gpus"
             if trainer > 1:
                 takes = f"GPUs 0-{trainer - 1} (one per torchrun process on this node)"
-                lower += (f" or --tensor-model-parallel-size {p.tensor_model_parallel_size} × "
-                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}")
+                lower += (f" or the torchrun processes (--nproc-per-node {trainer}: data-parallel size × "
+                          f"--tensor-model-parallel-size {p.tensor_model_parallel_size} × "
+                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size})")
             raise ConfigError(f"--no-colocate --rollout-num-gpus {p.rollout_num_gpus}: the trainer takes {takes} and "
                               f"each engine one more GPU after them, {needed} in all, but {visible} "
                               f"{'is' if visible == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES); lower {lower}, "

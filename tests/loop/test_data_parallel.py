@@ -116,8 +116,12 @@ def test_data_parallel_config_errors_name_the_flag(tmp_path):
     config = small_config(tmp_path)
     with pytest.raises(ConfigError, match="--rollout-batch-size 3 does not split over 2"):
         check_data_parallel(apply_overrides(config, {"rollout_batch_size": "3", "global_batch_size": "6"}), 2)
-    with pytest.raises(ConfigError, match="--no-colocate runs in one launcher process"):
+    # --no-colocate: rank 0 draws every rollout, so the SFT prompts must not come from the same stream
+    with pytest.raises(ConfigError, match=r"--no-colocate with 2 data-parallel ranks: .*--sft-steps \d+.*give "
+                                          r"--sft-prompt-data a file of its own"):
         check_data_parallel(apply_overrides(config, {"colocate": "false"}), 2)
+    check_data_parallel(apply_overrides(config, {"colocate": "false", "sft_prompt_data": "sft.jsonl",
+                                                 "rollout_batch_size": "4", "global_batch_size": "32"}), 2)
 
 
 def test_distributed_timeout_is_checked_for_data_parallel_runs_too(tmp_path):

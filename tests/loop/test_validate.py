@@ -277,20 +277,25 @@ def test_async_rollout_is_refused_under_model_parallelism(even_vocab_model, data
                  world_size=2)
 
 
-def test_no_colocate_beside_model_parallelism_runs_one_group(even_vocab_model, data_file, monkeypatch):
+def test_no_colocate_beside_model_and_data_parallelism(even_vocab_model, data_file, monkeypatch):
     """TP=2 + SP or PP=2 on 2 processes with --no-colocate pass (engine processes on the CPU here), also with
-    --async-rollout one-step and full; data parallelism beside them (4 processes at TP=2) is refused, naming the
-    flags, and so is --async-rollout with a colocated engine."""
+    --async-rollout one-step and full; so does data parallelism beside them (DP=2 × TP=2 on 4 processes, DP=2 on 2),
+    without --async-rollout (refused, naming the flags and sizes); --async-rollout with a colocated engine is
+    refused."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for flags in ({"tensor_model_parallel_size": "2", "sequence_parallel": "true"},
                   {"pipeline_model_parallel_size": "2"}):
         assert validate(config_with(even_vocab_model, data_file, colocate="false", **flags), world_size=2) is None
-    with pytest.raises(ConfigError, match=r"--no-colocate with --tensor-model-parallel-size 2 × "
-                                          r"--pipeline-model-parallel-size 1 .* launch 2 torchrun processes, not 4"):
-        validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
-                             rollout_batch_size="8", global_batch_size="32"), world_size=4)
+    dp2_tp2 = config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
+                          rollout_batch_size="8", global_batch_size="32")
+    assert validate(dp2_tp2, world_size=4) is None
+    assert validate(apply_overrides(dp2_tp2, {"tensor_model_parallel_size": "1"}), world_size=2) is None
+    with pytest.raises(ConfigError, match=r"--async-rollout one-step runs the trainer in one process .* not 4 torchrun "
+                                          r"processes = 2 data-parallel ranks × --tensor-model-parallel-size 2 × "
+                                          r"--pipeline-model-parallel-size 1: use --async-rollout off"):
+        validate(apply_overrides(dp2_tp2, {"async_rollout": "one-step"}), world_size=4)
     for mode in ("one-step", "full"):
         validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
                              async_rollout=mode), world_size=2)
@@ -313,8 +318,9 @@ def test_no_colocate_engine_gpus_come_after_the_trainers(even_vocab_model, data_
                          rollout_num_gpus="2")
     with pytest.raises(ConfigError, match=r"the trainer takes GPUs 0-1 \(one per torchrun process on this node\) "
                                           r"and each engine one more GPU after them, 4 in all, but 3 are visible "
-                                          r".*lower --rollout-num-gpus or --tensor-model-parallel-size 2 × "
-                                          r"--pipeline-model-parallel-size 1, or drop --no-colocate"):
+                                          r".*lower --rollout-num-gpus or the torchrun processes "
+                                          r"\(--nproc-per-node 2: data-parallel size × --tensor-model-parallel-size "
+                                          r"2 × --pipeline-model-parallel-size 1\), or drop --no-colocate"):
         check_placement(config, world_size=2)
     fits = apply_overrides(config, {"rollout_num_gpus": "1"})
     check_placement(fits, world_size=2)
