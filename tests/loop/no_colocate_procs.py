@@ -82,3 +82,27 @@ def _engine(kind: str, model_dir, servers):
 
     weight_check.sglang_tensor_hash = lambda: byte_hash
     return SGLangEngine([servers.enter_context(fake_sglang_process(hash_fn=byte_hash))])
+
+
+def deal_rollout(rank, port, results):
+    """Two gloo DP ranks: rank 0 holds a batch of 4 groups of 2 samples and its metrics, rank 1 nothing;
+    ``dealt_rollout.deal`` hands them out. ``results`` gets ``(rank, (group indices of its samples, sample
+    indices, metrics))``."""
+    from redline.loop.data_parallel import DataParallel
+    from redline.loop.dealt_rollout import deal
+    from redline.rollout.types import Sample
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        dp = DataParallel(rank=rank, world=2)
+        samples, metrics = [], {}
+        if rank == 0:
+            samples = [Sample(prompt=f"p{g}", tokens=[g], group_index=g, index=2 * g + i)
+                       for g in range(4) for i in range(2)]
+            metrics = {"rollout/reward_mean": 0.375, "rollout/samples": 8.0, "rollout/dropped_groups": 1.0}
+        mine, shared = deal(dp, samples, metrics)
+        results.put((rank, ([s.group_index for s in mine], [s.index for s in mine], shared)))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
+        results.put((rank, traceback.format_exc()))

@@ -1,0 +1,63 @@
+"""``--no-colocate`` under data parallelism (gloo on the CPU): rank 0's engine processes generate each whole batch,
+whose groups are dealt to the DP ranks (group k to DP rank k mod DP); only DP rank 0's group pushes. Whole runs at
+DP=2 and DP=2 × TP=2 + SP take the single-process ``--no-colocate`` run's steps (same rewards and evals, the rest
+within 1e-3), the engine samples with the weights the trainer holds after every push (each push's bucket checksums
+compared on both sides), and a resume continues the same trajectory."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from redline.loop.builtin import tiny_model
+from tests.gloo_ranks import run_ranks
+from tests.loop import no_colocate_procs  # importable by the spawned ranks
+
+from .test_model_parallel import assert_same_steps, train
+
+CTX = mp.get_context("spawn")
+NO_COLOCATE = ["--no-colocate", "--update-weight-buffer-size", str(no_colocate_procs.BUCKET_BYTES)]
+LAYOUTS = {"dp2": (2, []), "dp2-tp2-sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
+
+
+def test_rank0s_batch_is_dealt_group_by_group_with_its_metrics():
+    """Group k to DP rank k mod 2, in batch order; both ranks get rank 0's metrics, the counts on rank 0 alone (the
+    step's reduction sums counts and averages the rest, so the logged record is rank 0's)."""
+    outcome = run_ranks(CTX, no_colocate_procs.deal_rollout, 2, lambda rank, port: (rank, port), 60)
+    assert not any(isinstance(v, str) for v in outcome.values()), outcome
+    (groups0, indices0, metrics0), (groups1, indices1, metrics1) = outcome[0], outcome[1]
+    assert groups0 == [0, 0, 2, 2] and indices0 == [0, 1, 4, 5]
+    assert groups1 == [1, 1, 3, 3] and indices1 == [2, 3, 6, 7]
+    assert metrics0 == {"rollout/reward_mean": 0.375, "rollout/samples": 8.0, "rollout/dropped_groups": 1.0}
+    assert metrics1 == {"rollout/reward_mean": 0.375, "rollout/samples": 0.0, "rollout/dropped_groups": 0.0}
+
+
+@pytest.fixture(scope="module")
+def even_vocab_model(tmp_path_factory):
+    """The quickstart's tiny model (its seed) with the vocabulary padded to a multiple of 2, as TP=2 gets it."""
+    return tiny_model(tmp_path_factory.mktemp("model"), seed=7, vocab_multiple=2)
+
+
+@pytest.fixture(scope="module")
+def single_process_no_colocate(even_vocab_model, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), even_vocab_model, *NO_COLOCATE)
+
+
+@pytest.mark.slow  # a run and its resume under torchrun, with an engine process: about 50 s (DP=2), 90 s (DP=2 × TP=2)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_data_parallel_no_colocate_run_takes_the_single_process_steps_and_resumes(
+        layout, single_process_no_colocate, even_vocab_model, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo; engine processes on the CPU)")
+    processes, flags = LAYOUTS[layout]
+    out = tmp_path / "run"
+    records = train(out, even_vocab_model, *NO_COLOCATE, *flags, "--save-interval", "2", processes=processes)
+    console = " ".join((out / "console.log").read_text().split())  # rank 0's lines, wrapped by the console
+    assert "driven by rank 0 for all 2 data-parallel ranks" in console
+    assert "weight sync: broadcast (gloo)" in console and "bucket checksums" in console  # compared at every push
+    assert_same_steps(single_process_no_colocate, records)
+    for record in records[1:]:  # the engine sampled with the weights the trainer holds
+        assert record["train/rollout_logprob_abs_diff"] < 1e-4
+    resumed = train(tmp_path / "resumed", even_vocab_model, *NO_COLOCATE, *flags, "--load",
+                    str(out / "checkpoints" / "rollout_1"), processes=processes)
+    assert_same_steps(records[-1:], resumed)
