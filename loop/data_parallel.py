@@ -109,10 +109,11 @@ class DataParallel:
     def exchange_samples(self, samples: list, per_token: dict[str, list], needed: list[list[int]]
                          ) -> tuple[list | dict, dict[str, list | dict]]:
         """The samples (and their per-sample values) this rank trains on, keyed by pooled index (rank r's i-th
-        sample is ``r · len(samples) + i``; every rank holds the same number). ``needed[r]``: the pooled indices
-        rank r trains on, the same lists on every rank. Each rank sends every other rank only the samples it owns
-        and that rank needs (one scatter per source rank), so a rank receives its share of the rollout, not all
-        of it. A single process gets its own lists back."""
+        sample is ``r · len(samples) + i``; every rank holds the same number, or none: rank 0 dealing a batch it
+        alone holds, ``redline.loop.dealt_rollout``). ``needed[r]``: the pooled indices rank r trains on, the same
+        lists on every rank that holds samples (only those read them). Each rank sends every other rank only the
+        samples it owns and that rank needs (one scatter per source rank), so a rank receives its share of the
+        rollout, not all of it. A single process gets its own lists back."""
         if self.world == 1:  # the pooled indices are this rank's own list positions
             return samples, per_token
         base, count = self.rank * len(samples), len(samples)
