@@ -76,6 +76,9 @@ def unavailable(trainer: str, has_gpu: bool, trl_vllm_python: str = sys.executab
                                    timeout=600)
         except subprocess.TimeoutExpired:
             return f"importing TRL and vLLM with {trl_vllm_python} took over 600 s"
+        except OSError as e:
+            return (f"--trl-vllm-python {trl_vllm_python} does not run ({e.strerror}); stage vLLM with "
+                    "`python3 benchmarks/stage_peers.py vllm`")
         if probe.returncode:
             why = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
             return (f"vLLM does not import with {trl_vllm_python} ({why}); stage it with "
