@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 16 * 2**10  # several buckets of the tiny model, one of them holding tensors of both PP stages
+NO_COLOCATE = ["--no-colocate", "--update-weight-buffer-size", str(BUCKET_BYTES)]  # the runs' placement flags
 
 
 def broadcast_from_parallel_trainer(rank, port, model_dir, layout, engine_kind, results):

@@ -16,7 +16,7 @@ from tests.loop import no_colocate_procs  # importable by the spawned ranks
 from .test_model_parallel import assert_same_steps, train
 
 CTX = mp.get_context("spawn")
-NO_COLOCATE = ["--no-colocate", "--update-weight-buffer-size", str(no_colocate_procs.BUCKET_BYTES)]
+NO_COLOCATE = no_colocate_procs.NO_COLOCATE
 LAYOUTS = {"dp2": (2, []), "dp2-tp2-sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
 
 
@@ -38,12 +38,7 @@ def even_vocab_model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("model"), seed=7, vocab_multiple=2)
 
 
-@pytest.fixture(scope="module")
-def single_process_no_colocate(even_vocab_model, tmp_path_factory):
-    return train(tmp_path_factory.mktemp("single"), even_vocab_model, *NO_COLOCATE)
-
-
-@pytest.mark.slow  # a run and its resume under torchrun, with an engine process: about 50 s (DP=2), 90 s (DP=2 × TP=2)
+@pytest.mark.slow  # a run and its resume under torchrun, with an engine process: 45-60 s a layout on 2 CPU cores
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_data_parallel_no_colocate_run_takes_the_single_process_steps_and_resumes(
         layout, single_process_no_colocate, even_vocab_model, tmp_path):

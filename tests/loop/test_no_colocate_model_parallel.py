@@ -17,7 +17,7 @@ from .test_model_parallel import assert_same_steps, train
 
 CTX = mp.get_context("spawn")  # not fork: the test process may hold threads (HTTP, gloo) of earlier tests
 TIMEOUT_S = 180
-NO_COLOCATE = ["--no-colocate", "--update-weight-buffer-size", str(no_colocate_procs.BUCKET_BYTES)]
+NO_COLOCATE = no_colocate_procs.NO_COLOCATE
 LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
 
@@ -58,11 +58,6 @@ def test_an_attached_sglang_server_passes_the_hash_check_after_each_push(layout,
     leader, other = pushes(layout, even_vocab_model, "sglang")
     assert "server hashes" in leader[0]
     assert leader[1] == other[1] > 2
-
-
-@pytest.fixture(scope="module")
-def single_process_no_colocate(even_vocab_model, tmp_path_factory):
-    return train(tmp_path_factory.mktemp("single"), even_vocab_model, *NO_COLOCATE)
 
 
 @pytest.mark.slow  # about 40 s a layout on 2 CPU cores (torchrun's ranks and an engine process)
