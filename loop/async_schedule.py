@@ -44,6 +44,7 @@ import time
 
 import torch
 from redline.configfile import ConfigError
+from redline.loop.dealt_rollout import deals_rollouts
 from redline.rollout.manager import RolloutOutput
 from redline.rollout.sample_buffer import oldest_version, staleness
 from redline.rollout.stream import BusyClock, RolloutStream
@@ -86,14 +87,17 @@ def check_async(config, world_size: int = 1) -> None:
                           f"generates, so its state cannot be paused meanwhile; drop --offload-train")
     p = config.parallel
     group = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    if world_size > group:  # TP/PP: check_model_parallel
-        # with --no-colocate rank 0's schedule would generate for every DP rank, but the engine-side metrics (busy
-        # clock, per-staleness gaps) are per rank and the step's DP reduction would average them: not wired yet
-        raise ConfigError(f"--async-rollout {mode} runs the trainer in one process (or one TP × PP group with "
-                          f"--no-colocate), not {world_size} torchrun processes = {world_size // group} data-parallel "
-                          f"ranks × --tensor-model-parallel-size {p.tensor_model_parallel_size} × "
-                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: use --async-rollout off "
-                          f"with data parallelism, or launch {group} processes")
+    if world_size > group and p.colocate:  # TP/PP: check_model_parallel
+        raise ConfigError(f"--async-rollout {mode} with data parallelism ({world_size} torchrun processes) needs "
+                          f"--no-colocate: rank 0's engines then generate for every data-parallel rank")
+    if world_size > group and mode == "full":
+        # a stream's batch mixes staleness values, each DP rank's share its own mix: the ranks would disagree on the
+        # old log-probs' pass and on the per-staleness metrics the step's reduction averages
+        raise ConfigError(f"--async-rollout full with --no-colocate runs the trainer in one process or one TP × PP "
+                          f"group, not {world_size} torchrun processes = {world_size // group} data-parallel ranks × "
+                          f"--tensor-model-parallel-size {p.tensor_model_parallel_size} × "
+                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: use --async-rollout "
+                          f"one-step with data parallelism, or launch {group} processes")
     if config.algo.loss_type == "sft":
         raise ConfigError(f"--async-rollout {mode} schedules RL rollouts; --loss-type sft has none")
     if r.max_staleness is not None and r.max_staleness < 0:
@@ -243,6 +247,10 @@ class _Async(Synchronous):
             "perf/update_weights_time": sync_time - self.push_wait,
         }
         self.push_wait = 0.0
+        if deals_rollouts(self.state.config, self.state.dp):
+            # the engines are rank 0's: its busy clock and its waits for them are the step's (the other ranks' clocks
+            # saw no generation, and the step's DP reduction would average or take the slowest of them)
+            metrics = self.state.dp.from_main(lambda: metrics)
         metrics.update(mismatch_by_staleness(samples, self.current, old_logp, rollout_logp, overall_diff))
         return metrics
 

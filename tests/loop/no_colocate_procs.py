@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 BUCKET_BYTES = 16 * 2**10  # several buckets of the tiny model, one of them holding tensors of both PP stages
 NO_COLOCATE = ["--no-colocate", "--update-weight-buffer-size", str(BUCKET_BYTES)]  # the runs' placement flags
+# pushes after every second step: the ranks must agree on which step pushes (only rank 0 takes a batch)
+ONE_STEP = ["--async-rollout", "one-step", "--update-weights-interval", "2"]
 
 
 def broadcast_from_parallel_trainer(rank, port, model_dir, layout, engine_kind, results):

@@ -2,7 +2,8 @@
 whose groups are dealt to the DP ranks (group k to DP rank k mod DP); only DP rank 0's group pushes. Whole runs at
 DP=2 and DP=2 × TP=2 + SP take the single-process ``--no-colocate`` run's steps (same rewards and evals, the rest
 within 1e-3), the engine samples with the weights the trainer holds after every push (each push's bucket checksums
-compared on both sides), and a resume continues the same trajectory."""
+compared on both sides), and a resume continues the same trajectory; so does a DP=2 ``--async-rollout one-step`` run,
+with the engines' clock rank 0's."""
 
 import multiprocessing as mp
 
@@ -16,7 +17,7 @@ from tests.loop import no_colocate_procs  # importable by the spawned ranks
 from .test_model_parallel import assert_same_steps, train
 
 CTX = mp.get_context("spawn")
-NO_COLOCATE = no_colocate_procs.NO_COLOCATE
+NO_COLOCATE, ONE_STEP = no_colocate_procs.NO_COLOCATE, no_colocate_procs.ONE_STEP
 LAYOUTS = {"dp2": (2, []), "dp2-tp2-sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
 
 
@@ -55,4 +56,26 @@ def test_data_parallel_no_colocate_run_takes_the_single_process_steps_and_resume
         assert record["train/rollout_logprob_abs_diff"] < 1e-4
     resumed = train(tmp_path / "resumed", even_vocab_model, *NO_COLOCATE, *flags, "--load",
                     str(out / "checkpoints" / "rollout_1"), processes=processes)
+    assert_same_steps(records[-1:], resumed)
+
+
+@pytest.mark.slow  # a run and its resume under torchrun, with an engine process: about 60 s on 2 CPU cores
+def test_one_step_async_data_parallel_run_takes_the_single_process_steps_and_resumes(
+        single_process_one_step, even_vocab_model, tmp_path):
+    """``--async-rollout one-step`` at DP=2: rank 0 generates rollout k+1 while both ranks train on their shares of
+    rollout k; the ranks agree on which steps push (every second); the engine-side metrics are rank 0's; the
+    checkpoint keeps the generated, untrained rollout (rank 0's) and the resumed run trains it."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU variant (gloo; engine processes on the CPU)")
+    out = tmp_path / "run"
+    records = train(out, even_vocab_model, *NO_COLOCATE, *ONE_STEP, "--save-interval", "2", processes=2)
+    assert_same_steps(single_process_one_step, records)
+    # rollouts 1 and 2 start before the first step push (after step 2, version 2): both generate with version 0
+    assert [r["rollout/staleness_max"] for r in records[1:]] == [0.0, 1.0, 2.0]
+    # the engines' busy and idle time are rank 0's clock's (rank 1's saw no generation: idle all its step)
+    for record in records[1:]:
+        assert record["perf/rollout_wait_time"] + record["perf/rollout_time"] <= record["perf/step_time"] + 1e-9
+    assert all(r["perf/overlap_ratio"] > 0 for r in records[1:3])  # the next rollout generated while they trained
+    resumed = train(tmp_path / "resumed", even_vocab_model, *NO_COLOCATE, *ONE_STEP, "--load",
+                    str(out / "checkpoints" / "rollout_1"), processes=2)
     assert_same_steps(records[-1:], resumed)

@@ -74,13 +74,7 @@ def test_parallel_no_colocate_run_takes_the_single_process_steps(layout, single_
         assert record["train/rollout_logprob_abs_diff"] < 1e-4
 
 
-# pushes after every second step: the group's ranks must agree on which step pushes (rank 1 takes no batch)
-ONE_STEP = ["--async-rollout", "one-step", "--update-weights-interval", "2"]
-
-
-@pytest.fixture(scope="module")
-def single_process_one_step(even_vocab_model, tmp_path_factory):
-    return train(tmp_path_factory.mktemp("single-one-step"), even_vocab_model, *NO_COLOCATE, *ONE_STEP)
+ONE_STEP = no_colocate_procs.ONE_STEP  # the group's ranks must agree on which step pushes
 
 
 @pytest.mark.slow  # about 60 s a layout on 2 CPU cores (a run and its resume under torchrun)

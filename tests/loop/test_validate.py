@@ -280,8 +280,8 @@ def test_async_rollout_is_refused_under_model_parallelism(even_vocab_model, data
 def test_no_colocate_beside_model_and_data_parallelism(even_vocab_model, data_file, monkeypatch):
     """TP=2 + SP or PP=2 on 2 processes with --no-colocate pass (engine processes on the CPU here), also with
     --async-rollout one-step and full; so does data parallelism beside them (DP=2 × TP=2 on 4 processes, DP=2 on 2),
-    without --async-rollout (refused, naming the flags and sizes); --async-rollout with a colocated engine is
-    refused."""
+    also with --async-rollout one-step, not full (refused, naming the flags and sizes); --async-rollout with a
+    colocated engine is refused, with data parallelism too."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -292,10 +292,18 @@ def test_no_colocate_beside_model_and_data_parallelism(even_vocab_model, data_fi
                           rollout_batch_size="8", global_batch_size="32")
     assert validate(dp2_tp2, world_size=4) is None
     assert validate(apply_overrides(dp2_tp2, {"tensor_model_parallel_size": "1"}), world_size=2) is None
-    with pytest.raises(ConfigError, match=r"--async-rollout one-step runs the trainer in one process .* not 4 torchrun "
-                                          r"processes = 2 data-parallel ranks × --tensor-model-parallel-size 2 × "
-                                          r"--pipeline-model-parallel-size 1: use --async-rollout off"):
-        validate(apply_overrides(dp2_tp2, {"async_rollout": "one-step"}), world_size=4)
+    assert validate(apply_overrides(dp2_tp2, {"async_rollout": "one-step"}), world_size=4) is None
+    with pytest.raises(ConfigError, match=r"--async-rollout full with --no-colocate runs the trainer in one process .* "
+                                          r"not 4 torchrun processes = 2 data-parallel ranks × "
+                                          r"--tensor-model-parallel-size 2 × --pipeline-model-parallel-size 1: use "
+                                          r"--async-rollout one-step with data parallelism"):
+        validate(apply_overrides(dp2_tp2, {"async_rollout": "full"}), world_size=4)
+    colocated_dp = apply_overrides(dp2_tp2, {"colocate": "true", "tensor_model_parallel_size": "1",
+                                             "rollout_engine": "embedded", "embedded_engine_process": "true",
+                                             "async_rollout": "one-step"})
+    with pytest.raises(ConfigError, match=r"--async-rollout one-step with data parallelism \(2 torchrun processes\) "
+                                          r"needs --no-colocate"):
+        validate(colocated_dp, world_size=2)
     for mode in ("one-step", "full"):
         validate(config_with(even_vocab_model, data_file, colocate="false", tensor_model_parallel_size="2",
                              async_rollout=mode), world_size=2)
