@@ -9,7 +9,9 @@ engine processes, or SGLang servers launched or attached, whose HTTP requests th
 the disaggregated broadcast), or on one GPU an embedded engine process beside the trainer
 (``--embedded-engine-process``, weights by CUDA IPC). Beside a TP/PP trainer (``--no-colocate``, one model-parallel
 group) the schedule generates and pauses the engines on rank 0, which takes the batch; a step's push is marked
-where every rank passes (``overlap_begin``), so the group's ranks agree on which steps push:
+where every rank passes (``overlap_begin``), so the group's ranks agree on which steps push. With data parallelism
+(``--no-colocate``, ``one-step``) rank 0's schedule generates every rank's batch (``redline.loop.dealt_rollout``
+deals it out) and the step's engine-side metrics are its clock's:
 
 * ``off`` (``Synchronous``): generate → train → push, in series.
 * ``one-step`` (``OneStepOff``, slime's ``train_async.py``): ``generate`` hands over rollout k, generated while
