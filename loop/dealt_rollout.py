@@ -9,7 +9,8 @@ model-parallel groups' leaders, and each leader hands its share to its group (``
 the step is the colocated data-parallel one (log-probs and advantages on each rank's share, micro-batches dealt by
 token load). Rank 0's rollout metrics describe the whole batch: every rank gets them (the counts on rank 0 alone),
 so the step's data-parallel reduction leaves them as they are. The evaluation is rank 0's, over the whole eval set,
-its metrics handed to every process.
+its metrics handed to every process. Under ``--async-rollout one-step`` rank 0's schedule generates the batches
+and the dealing still runs in the step, on the main thread: its collectives never run beside the training's.
 
 Every replica holds the same weights after the optimizer step, so only DP rank 0's model-parallel group pushes
 (``BroadcastWeightSync``, or ``ModelParallelBroadcastSync`` under TP/PP); every other DP rank's ``ReplicaWeightSync``
