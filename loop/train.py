@@ -148,7 +148,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         try:
             loop.run_until_complete(weight_sync.connect())
         except BaseException:
-            loop.run_until_complete(engine.shutdown())
+            if engine is not None:  # a rank that drives no engine has none to stop
+                loop.run_until_complete(engine.shutdown())
             raise
     console.print(weight_sync.describe())
     if dp.world > 1:
