@@ -27,12 +27,18 @@ SOURCE_TREE = Path(__file__).resolve().parents[1]  # the repository this redline
 
 def source_revision(abbrev: int = 12) -> str | None:
     """``git describe --always --dirty`` of the source tree (``-dirty``: it differs from the commit, e.g. a copy of
-    a working tree carrying an older ``.git``); None outside a git checkout."""
+    a working tree carrying an older ``.git``); outside a git checkout, the commit a ``git archive`` of the tree
+    wrote into ``core/REVISION`` (``export-subst``, ``.gitattributes``), cut to ``abbrev``; else None."""
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty", f"--abbrev={abbrev}"], cwd=SOURCE_TREE,
                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
+        pass
+    try:
+        exported = (SOURCE_TREE / "core" / "REVISION").read_text().strip()
+    except OSError:
         return None
+    return exported[:abbrev] if exported and not exported.startswith("$Format") else None
 
 
 def write_environment(folder: Path) -> Path:

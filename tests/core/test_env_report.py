@@ -66,6 +66,25 @@ def test_source_revision_is_git_describe_of_the_source_tree(tmp_path, monkeypatc
     assert env_report.source_revision() is None
 
 
+def test_a_git_archive_of_the_tree_records_its_commit(tmp_path, monkeypatch):
+    import io
+    import subprocess
+    import tarfile
+
+    from redline import env_report
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=env_report.SOURCE_TREE, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip(f"{env_report.SOURCE_TREE} is not a git checkout: {head.stderr.strip()}")
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "core/REVISION"], cwd=env_report.SOURCE_TREE,
+                             capture_output=True, check=True).stdout
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(tmp_path, filter="data")  # the tree as the device gets it
+    monkeypatch.setattr(env_report, "SOURCE_TREE", tmp_path)
+    assert env_report.source_revision() == head.stdout.strip()[:12]
+    (tmp_path / "core" / "REVISION").write_text("$Format:%H$\n")  # a copy that is no archive: nothing to claim
+    assert env_report.source_revision() is None
+
+
 def test_write_environment_records_date_commit_versions_and_gpus(tmp_path):
     from datetime import datetime
 
