@@ -73,12 +73,14 @@ def test_a_git_archive_of_the_tree_records_its_commit(tmp_path, monkeypatch):
 
     from redline import env_report
 
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=env_report.SOURCE_TREE, capture_output=True, text=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=env_report.SOURCE_TREE, capture_output=True, text=True,
+                          check=False)
     if head.returncode != 0:
         pytest.skip(f"{env_report.SOURCE_TREE} is not a git checkout: {head.stderr.strip()}")
     archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "core/REVISION"], cwd=env_report.SOURCE_TREE,
                              capture_output=True, check=True).stdout
-    tarfile.open(fileobj=io.BytesIO(archive)).extractall(tmp_path, filter="data")  # the tree as the device gets it
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tmp_path, filter="data")  # the tree as the GPU machine gets it
     monkeypatch.setattr(env_report, "SOURCE_TREE", tmp_path)
     assert env_report.source_revision() == head.stdout.strip()[:12]
     (tmp_path / "core" / "REVISION").write_text("$Format:%H$\n")  # a copy that is no archive: nothing to claim
