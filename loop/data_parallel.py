@@ -17,6 +17,7 @@ evaluates, and hands the samples to the rest of the group (``from_model_leader``
 """
 
 import os
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -143,10 +144,13 @@ class DataParallel:
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One record for the step: phase times (``perf/*_time``) take the slowest rank, group counts the sum,
-        everything else the mean. Every rank must pass the same keys."""
+        everything else the mean. Every rank must pass the same keys: checked first (their count and a CRC-32 of
+        the names, one small all-reduce), and a mismatch raises on every rank naming the keys, instead of a
+        reduction of unequal tensors that hangs or averages the wrong values."""
         if self.world == 1:
             return dict(metrics)
         keys = sorted(metrics)
+        self._check_same_keys(keys)
         is_time = [k.startswith("perf/") and k.endswith("_time") for k in keys]
         values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.device)
         slowest = values.clone()
@@ -156,6 +160,19 @@ class DataParallel:
         for key, total, worst, time in zip(keys, values.tolist(), slowest.tolist(), is_time):
             out[key] = worst if time else total if key in COUNT_METRICS else total / self.world
         return out
+
+    def _check_same_keys(self, keys: list[str]) -> None:
+        signature = [len(keys), zlib.crc32("\n".join(keys).encode())]
+        bounds = torch.tensor(signature + [-v for v in signature], dtype=torch.float64, device=self.device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min) of each: equal iff same
+        if bounds[:2].tolist() == [-v for v in bounds[2:].tolist()]:
+            return
+        every = [None] * self.world
+        dist.all_gather_object(every, keys, group=self.group)
+        common = set.intersection(*map(set, every))
+        raise RuntimeError("the ranks' step metrics differ; "
+                           + "; ".join(f"rank {r} alone has {sorted(set(k) - common)}" for r, k in enumerate(every)
+                                       if set(k) - common))
 
     def weighted_mean(self, metrics: dict[str, float], weight: float) -> dict[str, float]:
         """``Σ_r weight_r · metrics_r / Σ_r weight_r``: means over shards of unequal size (eval prompts)."""

@@ -114,6 +114,21 @@ def test_readings_belong_to_the_phase_marked_before_them_and_begin_clears_it():
     assert not any(key.startswith("perf/gpu_util/") for key in unmarked)
 
 
+def test_every_phase_entered_has_a_reading_however_short():
+    # readings every 60 s: only the ones phase() takes itself fall in the window (all ranks then share the keys)
+    source = FakeSource([GpuReading(10.0, 1e9, 50.0, 900.0), GpuReading(30.0, 1e9, 50.0, 900.0),
+                         GpuReading(60.0, 1e9, 50.0, 900.0), GpuReading(90.0, 1e9, 50.0, 900.0)])
+    with GpuTelemetry(source, interval_s=60.0) as telemetry:
+        wait_for(lambda: source.reads >= 1)  # the thread's first reading, then it sleeps
+        telemetry.begin()
+        for name in ("rollout", "offload_rollout", "update_weights"):
+            telemetry.phase(name)
+        summary = telemetry.summary()
+    assert {k: v for k, v in summary.items() if k.startswith("perf/gpu_util/")} == {
+        "perf/gpu_util/rollout": 30.0, "perf/gpu_util/offload_rollout": 60.0, "perf/gpu_util/update_weights": 90.0}
+    assert summary["perf/gpu_util"] == 60.0
+
+
 def test_a_window_shorter_than_the_interval_reads_once_at_its_end():
     source = FakeSource([GpuReading(10.0, 1e9, 50.0, 900.0), GpuReading(70.0, 3e9, 200.0, 1500.0)])
     with GpuTelemetry(source, interval_s=60.0) as telemetry:

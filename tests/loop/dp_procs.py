@@ -20,6 +20,23 @@ def exchange_worker(rank, store, results):
         dist.destroy_process_group()
 
 
+def reduce_metrics_worker(rank, store, results):
+    """Two gloo ranks reduce a step record with the same keys, then one whose keys differ; ``results[rank]`` gets
+    the reduced record and the error the second reduction raised (its message, or None)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        dp = DataParallel(rank=rank, world=2)
+        same = dp.reduce_metrics({"train/loss": 1.0 + 2 * rank, "perf/train_time": 3.0 + rank})
+        try:
+            dp.reduce_metrics({"train/loss": 1.0, ("perf/gpu_util/offload_rollout" if rank else "perf/sync_time"): 0.5})
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        results[rank] = (same, error)
+    finally:
+        dist.destroy_process_group()
+
+
 def warmup_tuning_worker(rank, store, cache_dir, results, tp=1, pp=1, dp=2):
     """``tp × pp × dp`` gloo ranks (the run's mesh, as under torchrun) run the warm-up's LM-head tuning with the GPU
     parts stood in for: ``results[rank]`` gets ``timed`` (keys this rank timed), ``seen`` (the autotuner cache it

@@ -153,6 +153,23 @@ def test_from_main_reports_any_rank0_error_on_every_rank(monkeypatch):
         DataParallel(rank=1, world=2).from_main(make)
 
 
+def test_reduce_metrics_averages_same_keys_and_names_the_keys_ranks_do_not_share(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.loop.dp_procs import reduce_metrics_worker  # importable by the spawned ranks
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(reduce_metrics_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
+        results = dict(results)
+    expected_error = ("the ranks' step metrics differ; rank 0 alone has ['perf/sync_time']; "
+                      "rank 1 alone has ['perf/gpu_util/offload_rollout']")
+    for rank in (0, 1):
+        same, error = results[rank]
+        assert same == {"train/loss": 2.0, "perf/train_time": 4.0}  # the mean; a phase time takes the slowest rank
+        assert error == expected_error
+
+
 def test_global_batch_ids_take_each_ranks_slice_of_the_pool():
     from redline.loop.step import global_batch_ids
 
