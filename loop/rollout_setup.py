@@ -18,7 +18,7 @@ from redline.rollout.engine_fan_out import EngineFanOut
 from redline.rollout.evaluation import EvalSet, evaluate
 from redline.rollout.functions import load_function
 from redline.rollout.generate import generate_sample
-from redline.rollout.manager import RolloutManager, RolloutOutput
+from redline.rollout.manager import MAX_INFLIGHT, RolloutManager, RolloutOutput
 from redline.rollout.rewards import build_reward
 from redline.rollout.types import SamplingParams
 
@@ -192,13 +192,13 @@ CUDA_GRAPH_FLAGS = {f"--{p}{name}" for p in ("", "sglang-") for name in ("cuda-g
 def decode_batch_bound(config, servers: int) -> int:
     """The most requests one of ``servers`` SGLang servers may run at once: a rollout round's requests (under
     ``--async-rollout full`` the ``--max-inflight`` trajectories) spread over them, at most the rollout manager's
-    1024 in flight. Launched servers capture CUDA graphs up to it (``--cuda-graph-max-bs``): SGLang's own default
-    (256 on an H200) leaves a 512-request rollout decoding without graphs, its GPU idle ~40 % of the rollout."""
+    ``MAX_INFLIGHT`` in flight. Launched servers capture CUDA graphs up to it (``--cuda-graph-max-bs``): SGLang's own
+    default (256 on an H200) leaves a 512-request rollout decoding without graphs, its GPU idle ~40 % of the rollout."""
     r = config.rollout
     requests = max(r.rollout_batch_size, r.over_sampling_batch_size or 0) * r.n_samples_per_prompt
     if r.async_rollout == "full" and r.max_inflight:
         requests = r.max_inflight
-    return min(1024, -(-requests // servers))
+    return min(MAX_INFLIGHT, -(-requests // servers))
 
 
 def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):

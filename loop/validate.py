@@ -412,13 +412,11 @@ def check_placement(config, world_size: int = 1) -> None:
 
 def check_engine_gpus_here(config, world_size: int) -> None:
     """``--rollout-num-gpus-per-engine`` against this launch (``LOCAL_WORLD_SIZE``: torchrun's processes per node)."""
-    import os
-
     from redline.loop.engine_placement import check_engine_gpus
-    from redline.loop.rollout_setup import resolve_engine
+    from redline.loop.rollout_setup import resolve_engine, trainer_gpus
 
     check_engine_gpus(config, engine=resolve_engine(config), world_size=world_size,
-                      local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+                      local_world_size=trainer_gpus(world_size))
 
 
 def check_offload_train(config) -> None:

@@ -22,6 +22,8 @@ from redline.rollout.generate import generate_sample
 from redline.rollout.rewards import Reward
 from redline.rollout.types import Sample, SamplingParams, Status
 
+MAX_INFLIGHT = 1024  # generate calls a manager keeps running at once, by default
+
 
 @dataclass
 class RolloutOutput:
@@ -37,7 +39,7 @@ class RolloutManager:
     def __init__(self, engine, tokenizer, data_source: DataSource, reward: Reward, *, params: SamplingParams,
                  rollout_batch_size: int, n_samples_per_prompt: int, over_sampling_batch_size: int | None = None,
                  dynamic_filter: Callable[[list[Sample]], bool] | None = None, partial_rollout: bool = False,
-                 generate_fn=generate_sample, max_inflight: int = 1024):
+                 generate_fn=generate_sample, max_inflight: int = MAX_INFLIGHT):
         over = over_sampling_batch_size or rollout_batch_size
         if rollout_batch_size < 1 or n_samples_per_prompt < 1 or max_inflight < 1:
             raise ValueError(f"need rollout_batch_size, n_samples_per_prompt, max_inflight >= 1, got "

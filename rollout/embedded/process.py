@@ -45,6 +45,15 @@ def _reply(replies, call_id, ok, value) -> None:
         replies.put(_encode((call_id, False, RuntimeError(f"{type(exc).__name__}: {exc} (sending {value!r})"))))
 
 
+def accept_once(listener: Listener):
+    """The one connection ``listener`` takes (this engine process's weight sender); the listener is closed after
+    it, so its socket file goes and a second sender fails at once instead of at its timeout."""
+    try:
+        return listener.accept()
+    finally:
+        listener.close()
+
+
 def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
     """Child process: host an EmbeddedEngine and answer ``(call_id, method, args)`` messages in order of arrival
     (calls run concurrently, so a ``pause`` can reach a running ``generate``); serve the colocated sync's
@@ -67,7 +76,7 @@ def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
         if weight_conn is None:
             listener = Listener(family="AF_UNIX", authkey=mp.current_process().authkey)
             address = listener.address
-            threading.Thread(target=lambda: serve_weights(engine, listener.accept()), daemon=True,
+            threading.Thread(target=lambda: serve_weights(engine, accept_once(listener)), daemon=True,
                              name="embedded-engine-weights-accept").start()
         else:
             serve_weights(engine, weight_conn)
