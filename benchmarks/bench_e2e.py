@@ -323,6 +323,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    try:
+        shlex.split(args.redline_args)
+    except ValueError as exc:
+        ap.error(f"--redline-args {args.redline_args!r}: {exc}")
+    if not 0 < args.trl_vllm_gpu_memory_utilization <= 1:
+        ap.error(f"--trl-vllm-gpu-memory-utilization must be in (0, 1], got {args.trl_vllm_gpu_memory_utilization}")
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     has_gpu = bool(env["gpus"].get("devices")) and not args.tiny

@@ -275,7 +275,7 @@ class ModelParallelBroadcastSync(BroadcastWeightSync):
         super().__init__(export, engines, **options)
         export.plan = self.plan
         self.contributor = not dp.holds_engine
-        self.passes = dp.from_model_leader(lambda: 1 + bool(self.verifiers))
+        self.passes = dp.from_model_leader(lambda: 1 + len(self.verifiers))  # the broadcast, then one per check
 
     async def connect(self) -> None:
         if not self.contributor:

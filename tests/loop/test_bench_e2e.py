@@ -2,6 +2,7 @@
 metrics, and the whole benchmark at the tiny size on the CPU."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -190,3 +191,15 @@ def test_cli_entry_runs_the_benchmark_script(tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "e2e.json").read_text())["results"] == []
     assert (tmp_path / "e2e.md").read_text().startswith("# End-to-end GRPO benchmark")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--redline-args", "--lr '1e-6"], "--redline-args \"--lr '1e-6\": No closing quotation"),
+    (["--trl-vllm-gpu-memory-utilization", "1.5"], "--trl-vllm-gpu-memory-utilization must be in \\(0, 1\\], got 1.5"),
+])
+def test_bad_flags_are_refused_naming_them_before_anything_runs(tiny_bench, tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_bench.main([str(tmp_path / "out"), "--tiny", *flags])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out" / "tiny").exists()  # nothing ran
