@@ -14,20 +14,6 @@ import stage_peers  # noqa: E402
 INSTALL_SH = "#!/usr/bin/env bash\nset -euo pipefail\nSTAGE=/tmp/stage-x\n{install}\n"
 
 
-@pytest.fixture(scope="module")
-def stage_tool():
-    if not stage_peers.STAGE_TOOL.is_file():
-        pytest.skip(f"no shared staging tool at {stage_peers.STAGE_TOOL}")
-    return stage_peers.load_stage_tool()
-
-
-def test_peer_bundles_join_the_shared_tools(stage_tool):
-    stage_tool.BUNDLES.update(stage_peers.BUNDLES)
-    assert {"trl", "vllm", "sglang"} <= set(stage_tool.BUNDLES)
-    assert "trl==1.16.0" in stage_tool.BUNDLES["trl"]["wheels"]
-    assert stage_tool.BUNDLES["vllm"]["wheels"][0] == "vllm==0.26.0"
-
-
 def test_vllm_install_goes_into_a_venv_that_sees_the_images_venv(tmp_path):
     image = tmp_path / "image"  # the GPU machine's python3 is itself a venv (/opt/torch/.venv)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(image)], check=True)
