@@ -181,12 +181,13 @@ class TrainConfig:
                                         "log-probs; needs a CUDA GPU and redline's native library (default: on "
                                         "with a colocated SGLang engine, else off)")
     offload_train_optimizer: Literal["auto", "host", "gpu"] = option(
-        "auto", "--offload-train: where the fp32 master weights and Adam moments are while the engine generates: "
-        "auto (decided at start-up: they stay on the GPU when the engine's weights and KV cache fit in its free "
-        "memory with the rest of the trainer paused, SGLang's being --sglang-mem-fraction-static of the GPU; "
-        "else host), host (copied to pinned host memory and back every step; their copies are most of the pause "
-        "and resume) or gpu (they stay resident: less memory for the engine, a transition of little more than "
-        "the compute weights' rebuild)")
+        "auto", "--offload-train: where the state the GPU cannot rebuild is while the engine generates, the fp32 "
+        "master weights and Adam moments (with --optimizer-cpu-offload, whose masters are in host memory: the "
+        "compute weights): auto (decided at start-up: it stays on the GPU when the engine's weights and KV cache "
+        "fit in its free memory with the rest of the trainer paused, SGLang's being --sglang-mem-fraction-static "
+        "of the GPU; else host), host (copied to pinned host memory and back every step; the copies are most of "
+        "the pause and resume) or gpu (it stays resident: less memory for the engine, a transition of little "
+        "more than dropping the gradients)")
     max_bad_steps: int = option(3, "stop after this many NaN/inf steps")
     sft_steps: int = option(0, "SFT warm-up optimizer steps before RL")
     sft_lr: float | None = option(None, "learning rate of the SFT warm-up (defaults to lr)")

@@ -117,7 +117,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         offload = train_offload(device)
         offload.optimizer_resident = train_cfg.offload_train_optimizer != "host"
         offload.pause()
-        if train_cfg.offload_train_optimizer == "auto" and not train_cfg.optimizer_cpu_offload:  # else on the host
+        if train_cfg.offload_train_optimizer == "auto":
             offload.place_optimizer(*engine_memory(config, model.hf_config, dtype, device_memory(offload.device)[1]))
     engine, rollout = build_rollout(config, tokenizer, device=device, dtype=dtype, log_dir=log_dir, dp=dp)
     if rollout.skipped_records:

@@ -10,7 +10,9 @@ The plan (``OffloadPlan``, made at each pause from the buffers alive then) says 
 * gradients: dropped; zeros on resume (every step starts from zero gradients);
 * compute weights: dropped and rebuilt from the fp32 master weights on resume (``MasterWeights.publish``: the
   optimizer writes the compute weights as the rounded masters, so the rebuild is bit-exact) when the masters
-  are in this memory; with ``--optimizer-cpu-offload`` (masters in host memory) kept in pinned host memory;
+  are in this memory; with ``--optimizer-cpu-offload`` (masters in host memory) placed like the optimizer
+  state below (they are what the GPU cannot rebuild then: stay, or pinned host memory, 154 ms each way for the
+  7.5 GiB of the Qwen3-4B shape on an H100);
 * master weights and Adam moments: stay on the GPU (``optimizer_resident``) or go to pinned host memory (made
   once, reused by every later pause). Their copies, 12 bytes a parameter each way over PCIe (19.2 GiB at the
   Qwen3-1.7B shape: 0.86 s a step on the H100), are most of the pause and resume, where unmapping the rest and
@@ -24,8 +26,9 @@ The plan (``OffloadPlan``, made at each pause from the buffers alive then) says 
   bytes: the plan's cost measured.
 
 When. The weight push reads the compute weights, so the pause has two stages (``redline.loop.weight_sync``):
-``pause_state`` (everything but the compute weights, then ``torch.cuda.empty_cache`` for activations and
-caches) before the engine takes its weights back, ``pause_weights`` after the push; ``resume`` once the engine
+``pause_state`` (everything but the compute weights, then the cached blocks of activations and temporaries
+given back to the driver when the engine's memory would not fit otherwise: ``make_room``) before the engine
+takes its weights back, ``pause_weights`` after the push; ``resume`` once the engine
 has released its memory after the rollout, before the log-prob phase. The engine also starts beside a paused
 trainer (``pause``, both stages, before it is built): the state is paused whenever the engine holds memory.
 """
@@ -47,7 +50,6 @@ ACTIONS = {"zeros": "dropped; zeros on resume",
            "host": "kept in pinned host memory",
            "stay": "stays on the GPU (--offload-train-optimizer)"}
 STATE, WEIGHTS = "state", "weights"  # the stages: before the engine resumes its weights, after the push
-OPTIMIZER = ("masters", "moments")  # the groups --offload-train-optimizer places
 # what an engine takes beyond its weights and KV cache (CUDA context, activations, CUDA graphs): the optimizer
 # state stays only where this is free too
 ENGINE_HEADROOM = 2**30
@@ -106,20 +108,22 @@ class OffloadPlan:
 
 @dataclass(frozen=True)
 class OptimizerPlacement:
-    """``--offload-train-optimizer auto``'s choice at start-up: the masters and moments stay on the GPU
-    (``resident``) when the engine's need (``engine_bytes``: ``engine``'s parts, ``ENGINE_HEADROOM`` included)
-    fits in ``free_bytes``, the GPU's free memory measured with the rest of the trainer paused."""
+    """``--offload-train-optimizer auto``'s choice at start-up: ``kept`` (the state the GPU cannot rebuild: the
+    masters and moments, or with ``--optimizer-cpu-offload`` the compute weights) stays on the GPU (``resident``)
+    when the engine's need (``engine_bytes``: ``engine``'s parts, ``ENGINE_HEADROOM`` included) fits in
+    ``free_bytes``, the GPU's free memory measured with the rest of the trainer paused."""
 
     resident: bool
     engine_bytes: int
     free_bytes: int
     engine: str  # how engine_bytes was found
+    kept: str  # the groups' names
 
     def line(self) -> str:
         """The start-up line: the decision and the numbers it used."""
-        where = "stays on the GPU" if self.resident else "goes to pinned host memory"
+        where = "stay on the GPU" if self.resident else "go to pinned host memory"
         verb = "fits in" if self.resident else "does not fit in"
-        return (f"optimizer state (fp32 master weights and Adam moments) {where} (--offload-train-optimizer auto): "
+        return (f"{self.kept} {where} while the engine generates (--offload-train-optimizer auto): "
                 f"the engine needs {_size(self.engine_bytes)} ({self.engine}), which {verb} the "
                 f"{_size(self.free_bytes)} free with the rest paused")
 
@@ -137,7 +141,9 @@ class TrainOffload:
         self.plan: OffloadPlan | None = None  # the plan of the pause in progress (None: resident)
         self.stage: str | None = None  # the last stage paused, None while resident
         self.cache_bytes = 0  # the caching allocator's reserved bytes after the state's pause (empty_cache)
-        self.optimizer_resident = False  # masters and moments stay on the GPU (--offload-train-optimizer)
+        # what the GPU cannot rebuild stays there (--offload-train-optimizer): the masters and moments, or with
+        # --optimizer-cpu-offload (masters in host memory) the compute weights
+        self.optimizer_resident = False
         self.placement: OptimizerPlacement | None = None  # --offload-train-optimizer auto's start-up choice
         # seconds of the last pause (perf/pause_train_<key>_time per group, perf/pause_train_cache_time for
         # empty_cache) or the last resume (perf/resume_train_map_time: every allocation mapped back and the kept
@@ -171,20 +177,19 @@ class TrainOffload:
         if not self.masters():
             raise RuntimeError(f"--offload-train: no MasterWeights tracked by the TrainOffload on {self.device}: the "
                                "trainer's state was not allocated through it and would stay on the GPU")
-        compute = {"rebuild": [], "host": []}
+        kept = "stay" if self.optimizer_resident else "host"  # what the GPU cannot rebuild
+        compute = {"rebuild": [], "host": [], "stay": []}
         grads, masters = [], []
-        for m in self.masters():
-            compute["host" if m.offload else "rebuild"] += [g.compute for g in m.groups]
+        for m in self.masters():  # masters in host memory (--optimizer-cpu-offload) cannot rebuild them on the GPU
+            compute[kept if m.offload else "rebuild"] += [g.compute for g in m.groups]
             grads += [g.main_grad for g in m.groups]
             if not m.offload:
                 masters += [g.master for g in m.groups]
         moments = [t for t in (ref() for ref in self._moments) if t is not None]
-        optimizer = "stay" if self.optimizer_resident else "host"
         specs = [("gradients (fp32 main grad)", "grads", "zeros", STATE, grads),
-                 ("master weights (fp32)", "masters", optimizer, STATE, masters),
-                 ("Adam moments (fp32)", "moments", optimizer, STATE, moments),
-                 ("compute weights", "compute", "rebuild", WEIGHTS, compute["rebuild"]),
-                 ("compute weights", "compute", "host", WEIGHTS, compute["host"])]
+                 ("master weights (fp32)", "masters", kept, STATE, masters),
+                 ("Adam moments (fp32)", "moments", kept, STATE, moments)]
+        specs += [("compute weights", "compute", action, WEIGHTS, compute[action]) for action in compute]
         return OffloadPlan(tuple(self._group(*spec) for spec in specs if spec[-1]))
 
     def _group(self, name: str, key: str, action: str, stage: str, tensors: list[torch.Tensor]) -> PlanGroup:
@@ -192,9 +197,10 @@ class TrainOffload:
         host = sum(t.untyped_storage().nbytes() for t in tensors) if action == "host" else 0
         return PlanGroup(name, key, action, stage, tuple(tensors), device, host)
 
-    def pause_state(self) -> None:
+    def pause_state(self, room_bytes: int | None = None) -> None:
         """Stage one: gradients, master weights and moments paused by the plan, then the cached blocks of
-        activations and other temporaries given back to the driver. Waits for all queued device work."""
+        activations and other temporaries given back to the driver (``make_room``: only when fewer than
+        ``room_bytes`` are free then, the engine's need; always when None). Waits for all queued device work."""
         if self.paused:
             return
         self.plan, self.timings = self.make_plan(), {}
@@ -202,7 +208,7 @@ class TrainOffload:
         self.stage = STATE
         if self.device.type == "cuda":
             with self._timed("perf/pause_train_cache_time"):
-                torch.cuda.empty_cache()
+                make_room(self.device, room_bytes)
             self.cache_bytes = torch.cuda.memory_reserved(self.device)
 
     def pause_weights(self) -> None:
@@ -226,11 +232,13 @@ class TrainOffload:
             raise RuntimeError("TrainOffload.place_optimizer: pause with the optimizer state resident first "
                                f"(stage {self.stage}, optimizer_resident {self.optimizer_resident})")
         free = device_memory(self.device)[0]
-        self.placement = OptimizerPlacement(engine_bytes <= free, engine_bytes, free, engine)
+        kept = {g.key for g in self.plan.groups if g.action == "stay"}
+        self.placement = OptimizerPlacement(engine_bytes <= free, engine_bytes, free, engine,
+                                            " and ".join(g.name for g in self.plan.groups if g.action == "stay"))
         if not self.placement.resident:
             self.optimizer_resident = False
             self.plan = self.make_plan()
-            self._pause([g for g in self.plan.groups if g.key in OPTIMIZER])
+            self._pause([g for g in self.plan.groups if g.action == "host" and g.key in kept])
         return self.placement
 
     def _pause(self, groups: list[PlanGroup]) -> None:
@@ -278,6 +286,16 @@ class TrainOffload:
         (tensors outside pausable memory: the reference model, buffers, sync staging; with an in-process engine
         also what the engine keeps while released) and the pausable allocations still mapped."""
         return self.cache_bytes + self.memory.stats()["mapped_bytes"]
+
+
+def make_room(device: torch.device, room_bytes: int | None) -> bool:
+    """Give the caching allocator's unused blocks on CUDA ``device`` back to the driver (``torch.cuda.empty_cache``,
+    tens of ms at GPU scale: 34–44 ms at the Qwen3-1.7B shape on an H100 and an H200, needed or not) unless
+    ``room_bytes`` (None: never enough) are free already; True when it did."""
+    if room_bytes is not None and device_memory(device)[0] >= room_bytes:
+        return False
+    torch.cuda.empty_cache()
+    return True
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

@@ -429,9 +429,6 @@ def check_offload_train(config) -> None:
     if not config.parallel.colocate:
         raise ConfigError("--offload-train pauses the trainer's memory while a colocated engine generates; with "
                           "--no-colocate the engines have their own GPUs: drop one of the two flags")
-    if config.train.offload_train_optimizer == "gpu" and config.train.optimizer_cpu_offload:
-        raise ConfigError("--offload-train-optimizer gpu keeps the master weights and moments on the GPU, but "
-                          "--optimizer-cpu-offload keeps them in host memory: drop one of the two")
     try:
         check_available()
     except (RuntimeError, OSError) as exc:  # NativeLibraryMissing is a RuntimeError; OSError: a library not loadable

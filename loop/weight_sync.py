@@ -38,6 +38,7 @@ from datetime import timedelta
 
 import torch
 from redline.devices import device_scope
+from redline.loop.train_offload import make_room
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 from redline.sync.protocol import SyncError
@@ -180,24 +181,29 @@ class WeightSync:
 
     async def _make_room(self) -> None:
         """Give the trainer's cached, unused blocks back to the driver only when the engine's memory would not
-        fit beside them (``torch.cuda.empty_cache`` took ~34 ms a push at the 1.7B shape on an H100, whether
-        needed or not)."""
-        if self.device.type == "cuda" and free_device_bytes(self.device) < self.engine_bytes + CACHE_HEADROOM:
-            torch.cuda.empty_cache()
+        fit beside them (``make_room``)."""
+        if self.device.type == "cuda":
+            make_room(self.device, self.engine_bytes + CACHE_HEADROOM)
 
     async def push(self, version: str) -> None:
         """Send the model's current weights to the engine as ``version`` and check them, taking back released
         memory around the update (weights first, KV cache after)."""
+        handled = getattr(self.engine, "handling_seconds", None) if self.controls_engine else None
         if self.train is not None:
             await self.resume_train()  # paused without the rollout's release between (a restarted engine)
-            await self._timed("perf/pause_train_time", self._run(self.train.pause_state))
+            # the trainer's cached blocks go back to the driver only when the engine's memory would not fit beside
+            room = self.engine_bytes + CACHE_HEADROOM if self.engine_bytes else None
+            await self._timed("perf/pause_train_time", self._run(lambda: self.train.pause_state(room)))
         elif self.released:
             await self._timed("perf/pause_train_time", self._make_room())
             if self.device.type == "cuda":
                 self.timings["perf/trainer_paused_bytes"] = torch.cuda.memory_reserved(self.device)
         if self.released:
             await self._timed("perf/resume_weights_time", self.engine.resume_memory({"weights"}))
+        before_sync = self.engine.handling_seconds if handled is not None else None
         await self._timed("perf/sync_time", self._sync(version))
+        if handled is not None:
+            self.timings["perf/sync_sglang_time"] = self.engine.handling_seconds - before_sync
         if self.mode == "sglang":
             await self._timed("perf/check_weights_time", self.engine.verify_weights(self.model.export_hf()))
         if self.train is not None:  # the compute weights last: the push and its check read them
@@ -211,6 +217,8 @@ class WeightSync:
                 self.timings["perf/kv_headroom_bytes"] = free_device_bytes(self.device)
             await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
+        if handled is not None:
+            self.timings["perf/update_weights_sglang_time"] = self.engine.handling_seconds - handled
         if self.seat is not None:
             # waits for the leader's update (and cache resume): the server let go of every rank's payload, and no
             # rank generates before the engine has its KV cache back

@@ -8,6 +8,7 @@ graphs are sized with the cache, and slime resumes them together after the weigh
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 from redline.rollout.engine import (
@@ -32,6 +33,9 @@ class SGLangEngine:
     ``router_url``: an sglang-router in front of the workers; without one each request goes to the worker with
     the fewest requests in flight from this client. ``owned`` processes are stopped by ``shutdown``.
     ``tp_size``: GPUs per server, the number of payloads a ``SerializedBucket`` must carry.
+    ``handling_seconds``: wall seconds spent waiting on the servers' answers to control calls (weight updates,
+    memory release and resume, ``/weights_checker``; all servers at once count once), summed since the engine was
+    made: SGLang's own handling, read before and after a phase to tell it from the caller's work.
     """
 
     def __init__(self, worker_urls: list[str], *, router_url: str | None = None, tp_size: int = 1,
@@ -45,6 +49,7 @@ class SGLangEngine:
         self.weight_version = weight_version
         self._paused = False
         self._weight_group: str | None = None
+        self.handling_seconds = 0.0
 
     # Disaggregated sync (``redline.loop.weight_sync.BroadcastWeightSync``): the GPUs this engine joins the
     # trainer's weight-update group with, and whether they take part in redline's bucket-checksum comparison
@@ -97,8 +102,13 @@ class SGLangEngine:
         """One ``/generate`` call per request, all concurrent (the servers batch them)."""
         return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
 
-    async def _all(self, method: str, *args) -> None:
-        await asyncio.gather(*(getattr(w, method)(*args) for w in self.workers))
+    async def _all(self, method: str, *args) -> list:
+        """``method`` on every server at once; its wall time counts in ``handling_seconds``."""
+        start = time.perf_counter()
+        try:
+            return await asyncio.gather(*(getattr(w, method)(*args) for w in self.workers))
+        finally:
+            self.handling_seconds += time.perf_counter() - start
 
     async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
         """Send every bucket to every server (opening/closing an update session on >= 0.5.21), then flush
@@ -112,8 +122,8 @@ class SGLangEngine:
         try:
             async for bucket in iterate_buckets(buckets):
                 if not isinstance(bucket, SerializedBucket):
-                    bucket = await asyncio.to_thread(self._serialize, list(bucket), torch.cuda.current_device()
-                                                     if torch.cuda.is_available() else None)
+                    bucket = await asyncio.to_thread(_on_device, _current_device(), serialize_bucket, list(bucket),
+                                                     self.tp_size)
                 if len(bucket.per_rank) != self.tp_size:
                     raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
                                      f"tp_size={self.tp_size}")
@@ -130,13 +140,6 @@ class SGLangEngine:
             torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
         await self._all("end_weight_update")
         self.weight_version = str(version)
-
-    def _serialize(self, named_tensors, device) -> SerializedBucket:
-        """``serialize_bucket`` on ``device`` (a worker thread starts on cuda:0 whatever the caller's device)."""
-        if device is None:
-            return serialize_bucket(named_tensors, self.tp_size)
-        with torch.cuda.device(device):
-            return serialize_bucket(named_tensors, self.tp_size)
 
     async def join_weight_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                                 group_name: str, backend: str, plan=None, timeout_s: float | None = None) -> None:
@@ -172,12 +175,18 @@ class SGLangEngine:
 
     async def verify_weights(self, named_tensors, hash_fn=None) -> None:
         """Raise ``WeightsMismatch`` unless every server holds exactly ``named_tensors`` (HF names, the tensors
-        last sent), compared through SGLang's ``/weights_checker`` hashes (``weight_check``). TP = 1 servers."""
+        last sent), compared through SGLang's ``/weights_checker`` hashes (``weight_check``). TP = 1 servers. The
+        expected hashes are computed here (in a worker thread, on the caller's GPU) while the servers hash theirs."""
         if self.tp_size != 1:
             raise ValueError(f"verify_weights compares whole tensors; the servers have tp_size={self.tp_size}")
-        expected = expected_checksums(named_tensors, hash_fn)
-        answers = await asyncio.gather(*(w.weight_checksums() for w in self.workers))
-        for worker, answer in zip(self.workers, answers):
+        answers = asyncio.ensure_future(self._all("weight_checksums"))
+        try:
+            expected = await asyncio.to_thread(_on_device, _current_device(), expected_checksums,
+                                               list(named_tensors), hash_fn)
+        except BaseException:
+            answers.cancel()
+            raise
+        for worker, answer in zip(self.workers, await answers):
             compare_checksums(expected, answer, worker.url)
 
     async def release_memory(self, tags) -> None:
@@ -211,3 +220,16 @@ class SGLangEngine:
         for process in reversed(self.owned):
             await asyncio.to_thread(process.stop)
         self.owned.clear()
+
+
+def _current_device() -> int | None:
+    """The calling thread's CUDA device (None without CUDA): a worker thread starts on cuda:0 whatever it is."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def _on_device(device: int | None, fn, *args):
+    """``fn(*args)`` with ``device`` current (in a worker thread, the caller's GPU)."""
+    if device is None:
+        return fn(*args)
+    with torch.cuda.device(device):
+        return fn(*args)

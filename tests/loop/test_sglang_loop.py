@@ -26,10 +26,13 @@ from .test_train import small_config  # noqa: E402
 BUCKET_BYTES = 128 * 1024
 
 
+CONTROL_DELAY = 0.02  # seconds the stand-in takes to answer each weight update, memory call and hash request
+
+
 @pytest.mark.parametrize("version,session", [("0.5.17", False), ("0.5.23", True)])
 def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, session):
     serialized = []
-    server = FakeSGLang(version=version, busy_flushes=0)
+    server = FakeSGLang(version=version, busy_flushes=0, control_delay=CONTROL_DELAY)
 
     def fake_serialize(named_tensors, tp_size=1):
         serialized.append([name for name, _ in named_tensors])
@@ -65,3 +68,8 @@ def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, se
     assert [b["serialized_named_tensors"] for b in sent] == [[f"bucket-{i}"] for i in range(len(plan.buckets))]
     assert {b["weight_version"] for b in sent} == {"1"}
     assert metrics["rollout/response_len_mean"] > 0 and metrics["perf/update_weights_time"] > 0
+    # SGLang's own handling inside the push: the answers waited for, part of the phases that waited for them
+    buckets = len(plan.buckets)
+    assert CONTROL_DELAY * buckets <= metrics["perf/sync_sglang_time"] <= metrics["perf/sync_time"]
+    assert (CONTROL_DELAY * (buckets + 3) <= metrics["perf/update_weights_sglang_time"]  # + resume ×2, checker
+            <= metrics["perf/update_weights_time"])

@@ -226,8 +226,8 @@ def test_auto_keeps_the_optimizer_state_on_the_gpu_when_the_engine_fits_beside_i
     assert placement.resident and offload.optimizer_resident and offload.placement is placement
     assert memory.stats()["mapped_bytes"] == optimizer_bytes(memory, offload) > 0
     assert memory.stats()["host_backup_bytes"] == 0
-    assert placement.line() == ("optimizer state (fp32 master weights and Adam moments) stays on the GPU "
-                                "(--offload-train-optimizer auto): the engine needs 10.00 GiB (stub parts), which "
+    assert placement.line() == ("master weights (fp32) and Adam moments (fp32) stay on the GPU while the engine "
+                                "generates (--offload-train-optimizer auto): the engine needs 10.00 GiB (stub parts), which "
                                 "fits in the 10.00 GiB free with the rest paused")
     offload.resume()
     assert state_bits(*state[1:]).keys() == before.keys()
@@ -242,8 +242,8 @@ def test_auto_sends_the_optimizer_state_to_pinned_host_memory_when_the_engine_ne
     assert memory.stats()["mapped_bytes"] == 0  # nothing of the trainer's state left on the GPU
     assert memory.stats()["host_backup_bytes"] == offload.plan.host_bytes > 0
     assert [g.action for g in offload.plan.groups if g.key in ("masters", "moments")] == ["host", "host"]
-    assert placement.line() == ("optimizer state (fp32 master weights and Adam moments) goes to pinned host memory "
-                                "(--offload-train-optimizer auto): the engine needs 10.00 GiB (stub parts), which "
+    assert placement.line() == ("master weights (fp32) and Adam moments (fp32) go to pinned host memory while the "
+                                "engine generates (--offload-train-optimizer auto): the engine needs 10.00 GiB (stub parts), which "
                                 "does not fit in the 10.00 GiB free with the rest paused")
     offload.resume()
     for name, value in state_bits(*state[1:]).items():
@@ -316,10 +316,10 @@ def test_in_the_loop_auto_is_the_default_and_the_start_up_plan_says_what_it_chos
         assert (optimizer <= mapped < optimizer + 3 * PAGE) if fits else mapped == 0
         lines = console.export_text().splitlines()
         table_end = lines.index("--offload-train, while the engine generates:") + len(offload.plan.table()) + 1
-        where = "stays on the GPU" if fits else "goes to pinned host memory"
+        where = "stay on the GPU" if fits else "go to pinned host memory"
         verb = "fits in" if fits else "does not fit in"
-        assert lines[table_end] == (f"optimizer state (fp32 master weights and Adam moments) {where} "
-                                    f"(--offload-train-optimizer auto): the engine needs "
+        assert lines[table_end] == (f"master weights (fp32) and Adam moments (fp32) {where} while the engine "
+                                    f"generates (--offload-train-optimizer auto): the engine needs "
                                     f"{(free + (not fits)) / GIB:.2f} GiB (of {80 * GIB} bytes), which {verb} the "
                                     f"5.00 GiB free with the rest paused")
     finally:
@@ -386,12 +386,41 @@ def test_start_up_refuses_it_without_the_native_library_saying_how_to_build_it(t
         check_offload_train(offload_config(tmp_path))
 
 
-def test_start_up_refuses_a_resident_optimizer_whose_state_is_on_the_host(tmp_path):
-    from redline.loop.validate import check_offload_train
+@pytest.mark.parametrize("fits", [True, False], ids=["fits", "does-not-fit"])
+def test_with_optimizer_cpu_offload_auto_places_the_compute_weights_the_gpu_cannot_rebuild(memory, monkeypatch, fits):
+    from redline.loop import train_offload
 
-    with pytest.raises(ConfigError, match="--offload-train-optimizer gpu .*--optimizer-cpu-offload"):
-        check_offload_train(offload_config(tmp_path, offload_train="true", offload_train_optimizer="gpu",
-                                           optimizer_cpu_offload="true"))
+    monkeypatch.setattr(train_offload, "device_memory", lambda device: (10 * GIB, 80 * GIB))
+    offload = TrainOffload(memory)
+    model, master, optimizer = trainer(offload, cpu_offload=True)
+    train_step(model, master, optimizer, 0)
+    before = state_bits(master, optimizer)
+    offload.optimizer_resident = True
+    offload.pause()
+    compute = sum(memory.allocation_bytes(g.compute) for g in master.groups)
+    assert memory.stats()["mapped_bytes"] == compute > 0  # paused with them resident: only the gradients left
+    placement = offload.place_optimizer(10 * GIB if fits else 10 * GIB + 1, "stub parts")
+    assert placement.resident is fits and placement.kept == "compute weights"
+    assert placement.line().startswith(f"compute weights {'stay on the GPU' if fits else 'go to pinned host memory'}")
+    assert [(g.key, g.action) for g in offload.plan.groups] == [("grads", "zeros"),
+                                                                ("compute", "stay" if fits else "host")]
+    assert memory.stats()["mapped_bytes"] == (compute if fits else 0)
+    assert memory.stats()["host_backup_bytes"] == (0 if fits else offload.plan.host_bytes)
+    offload.resume()
+    for name, value in state_bits(master, optimizer).items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_the_cached_blocks_go_back_to_the_driver_only_when_the_engine_would_not_fit_beside_them(monkeypatch):
+    from redline.loop import train_offload
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(train_offload, "device_memory", lambda device: (10 * GIB, 80 * GIB))
+    gpu = torch.device("cuda", 0)
+    assert not train_offload.make_room(gpu, 10 * GIB) and emptied == []
+    assert train_offload.make_room(gpu, 10 * GIB + 1) and emptied == [True]
+    assert train_offload.make_room(gpu, None) and len(emptied) == 2  # no measured need: always
 
 
 def test_in_the_loop_the_resident_optimizer_stays_mapped_while_the_engine_generates(tmp_path, monkeypatch,
@@ -506,8 +535,9 @@ def test_a_checkpoint_reads_the_resumed_trainer_and_the_engine_gets_its_weights_
 # ----- on a GPU (the real driver; the Triton AdamW writes the compute weights the rebuild must reproduce) ------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cpu_offload, resident", [(False, False), (True, False), (False, True)],
-                         ids=["masters-on-gpu", "optimizer-cpu-offload", "optimizer-resident"])
+@pytest.mark.parametrize("cpu_offload, resident", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["masters-on-gpu", "optimizer-cpu-offload", "optimizer-resident",
+                              "optimizer-cpu-offload-compute-resident"])
 def test_on_a_gpu_the_paused_trainer_frees_its_state_and_resumes_bit_exact(cpu_offload, resident):
     """Each step's state (the compute weights the Triton AdamW wrote, masters, moments) survives the pause: the
     rebuilt compute weights round the masters exactly as the update did."""

@@ -21,9 +21,16 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+CONTROL_PATHS = ("/update_weights_from_tensor", "/weights_checker", "/release_memory_occupation",
+                 "/resume_memory_occupation")
+
+
 class FakeSGLang:
-    def __init__(self, version="0.5.17", delay=0.0, busy_flushes=1, hash_fn=None, corrupt_bucket=None):
+    def __init__(self, version="0.5.17", delay=0.0, busy_flushes=1, hash_fn=None, corrupt_bucket=None,
+                 control_delay=0.0):
         self.version, self.delay, self.busy_flushes, self.hash_fn = version, delay, busy_flushes, hash_fn
+        # seconds each weight update, memory release / resume and /weights_checker takes to answer
+        self.control_delay = control_delay
         self.corrupt_bucket = corrupt_bucket  # index of a received bucket whose first byte is flipped on arrival
         self.buckets_received = 0
         self.calls: list[tuple[str, dict | None]] = []
@@ -57,6 +64,8 @@ class FakeSGLang:
             def handle_path(self, body):
                 with server.lock:
                     server.calls.append((self.path, body))
+                if self.path in CONTROL_PATHS:
+                    time.sleep(server.control_delay)
                 status, answer = server.route(self.path, body)
                 self.reply(status, answer)
 

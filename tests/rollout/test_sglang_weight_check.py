@@ -2,6 +2,7 @@
 ``/weights_checker`` reports (a stand-in server here; the live check runs in test_sglang_live.py)."""
 
 import hashlib
+import time
 
 import pytest
 import torch
@@ -95,6 +96,32 @@ def test_verify_names_a_parameter_that_differs_or_is_missing():
         server.checksums = {n: h for n, h in expected.items() if n != "model.norm.weight"}
         with pytest.raises(WeightsMismatch, match=r"0 parameter\(s\) differ.*1 not reported \['model\.norm"):
             verify(server, named)
+
+
+def test_the_expected_hashes_are_computed_while_the_server_hashes_its_own():
+    """The request leaves first: the hash function here waits until the server has been asked (it would wait in
+    vain, and fail, if the expected hashes came first)."""
+    named = layer_tensors()
+
+    with FakeSGLang() as server:
+        def hash_once_the_server_was_asked(tensor):
+            deadline = time.monotonic() + 10
+            while "/weights_checker" not in server.paths():
+                assert time.monotonic() < deadline, "the server was not asked while the expected hashes were made"
+                time.sleep(0.005)
+            return byte_hash(tensor)
+
+        server.checksums = expected_checksums(named, byte_hash)
+        run(SGLangEngine([server.url]), lambda e: e.verify_weights(named, hash_fn=hash_once_the_server_was_asked))
+
+
+def test_the_engine_counts_the_seconds_it_waits_on_the_servers_control_answers():
+    with FakeSGLang(control_delay=0.05) as server:
+        engine = SGLangEngine([server.url])
+        run(engine, lambda e: e.release_memory({"kv_cache"}))
+        assert 0.05 <= engine.handling_seconds < 1.0
+        run(engine, lambda e: e.resume_memory({"weights", "kv_cache"}))  # two requests, one after the other
+        assert 0.15 <= engine.handling_seconds < 2.0
 
 
 def test_verify_refuses_tensor_parallel_servers():
