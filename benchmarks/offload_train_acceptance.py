@@ -1,6 +1,7 @@
 """Issue 16's ``--offload-train`` acceptance on one GPU, from the loop's own metrics, in one command:
 
     python3 benchmarks/offload_train_acceptance.py OUTDIR [--shapes qwen3-1.7b,qwen3-4b] [--steps 4]
+        [--modes no-offload-train,offload-train,...] [--extra "--rollout-engine sglang ..."] [--tag -NAME]
 
 1. builds redline's native library (``cmake`` into ``build/native``; the VMM allocator behind PausableMemory)
    and points every run at it (``REDLINE_NATIVE_LIBRARY``): an older library on the machine lacks
@@ -28,6 +29,12 @@
    back with the kept contents copied in, the compute weights' rebuild). OUTDIR/summary.* are rewritten after
    every run, so a call cut short keeps what it finished.
 
+``--modes`` picks the runs (``offload-train-auto`` is the default plan, decided at start-up) and ``--extra`` adds
+flags to each (``--rollout-engine sglang`` with the workload's sizes: ``benchmarks/sglang_colocated_acceptance.sh``);
+``--tag`` keeps one call's runs apart from another's in the same OUTDIR. With SGLang, the KV cache is what the
+server's log says it allocated (tokens and bytes), and a second table sets the update phase and the sync against
+SGLang's own handling inside them (``perf/update_weights_sglang_time``, ``perf/sync_sglang_time``).
+
 The kernel warm-up is off (``REDLINE_KERNEL_WARMUP=0``) to keep the runs short: step 1 pays the compilation and
 is left out of the medians. Each call adds its runs to OUTDIR/summary.md (one shape per call keeps each call
 short). ``--config`` and ``--shapes`` take any TOML and built-in model (the CPU smoke test
@@ -39,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -53,7 +61,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # masters and moments are on the host already
 MODES = {"no-offload-train": ["--no-offload-train"],
          "offload-train": ["--offload-train", "--offload-train-optimizer", "host"],
-         "offload-train-optimizer-gpu": ["--offload-train", "--offload-train-optimizer", "gpu"]}
+         "offload-train-optimizer-gpu": ["--offload-train", "--offload-train-optimizer", "gpu"],
+         "offload-train-auto": ["--offload-train"]}  # the default plan: measured at start-up
+DEFAULT_MODES = "no-offload-train,offload-train,offload-train-optimizer-gpu"
+# colocated SGLang: its own handling inside the update phase and the sync (redline.loop.weight_sync)
+SGLANG = ("perf/update_weights_sglang_time", "perf/sync_sglang_time")
+SGLANG_KV = re.compile(r"KV Cache is allocated\. .*#tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 TRANSITION = ("perf/release_time", "perf/resume_train_time", "perf/pause_train_time", "perf/resume_weights_time",
               "perf/sync_time", "perf/check_weights_time", "perf/resume_kv_time")
 TOTALS = ("perf/offload_rollout_time", "perf/update_weights_time", "perf/rollout_time", "perf/train_time",
@@ -142,6 +155,16 @@ def kv_cache_bytes(config_path: str, model: Path) -> int:
     return 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * engine_rows(config) * slots * 2
 
 
+def sglang_kv_cache(run_dir: Path) -> dict | None:
+    """What the run's SGLang server allocated for its KV cache (its log's line): ``{"tokens", "bytes"}``; None
+    for a run without one."""
+    for log in sorted((run_dir / "logs").glob("**/sglang-*.log")):
+        match = SGLANG_KV.search(log.read_text(errors="replace"))
+        if match:
+            return {"tokens": int(match[1]), "bytes": int((float(match[2]) + float(match[3])) * 2**30)}
+    return None
+
+
 def medians(run_dir: Path) -> dict[str, float]:
     """Medians over the steps after the first of the transition's phases, the step totals and the byte metrics."""
     path = run_dir / "metrics.jsonl"
@@ -150,7 +173,7 @@ def medians(run_dir: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows = [r for r in rows if "perf/update_weights_time" in r]
     steady = rows[1:] or rows
-    out = {key: statistics.median(r[key] for r in steady) for key in TRANSITION + TOTALS + BYTES + GROUPS
+    out = {key: statistics.median(r[key] for r in steady) for key in TRANSITION + TOTALS + BYTES + GROUPS + SGLANG
            if steady and all(key in r for r in steady)}
     out["steps"] = len(rows)
     return out
@@ -166,13 +189,13 @@ def gib(nbytes) -> str:
 
 def summary(out: Path, results: dict) -> str:
     phases = " | ".join(k.removeprefix("perf/").removesuffix("_time") for k in TRANSITION)
-    lines = ["# `--offload-train` in `redline train` (colocated in-process embedded engine, --offload-rollout)", "",
+    lines = ["# `--offload-train` in `redline train` (colocated engine, --offload-rollout)", "",
              ("Medians of the steps after the first; ms unless marked. transition = perf/offload_rollout_time + "
               "perf/update_weights_time (release → resume train → … → pause train → resume engine weights → sync → "
               "resume KV); the issue's target with SGLang: transition ≤ 2× the sync alone."), "",
              (f"| run | ok | {phases} | transition | transition / sync | trainer paused (GiB) | KV headroom (GiB) "
-              "| engine KV cache (GiB) | step (s) |"),
-             "| --- | --- |" + " ---: |" * (len(TRANSITION) + 6)]
+              "| engine KV cache (GiB) | KV tokens | step (s) |"),
+             "| --- | --- |" + " ---: |" * (len(TRANSITION) + 7)]
     for run, result in results.items():
         m = result["medians"]
         transition = (m["perf/offload_rollout_time"] + m["perf/update_weights_time"]
@@ -184,7 +207,20 @@ def summary(out: Path, results: dict) -> str:
         ok = "yes" if result["ok"] else f"no: {result['error'][:160]}"
         lines.append(f"| {run} `{' '.join(result['flags'])}` | {ok} | " + " | ".join(cells)
                      + f" | {ms(transition)} | {ratio} | {gib(m.get('perf/trainer_paused_bytes'))} | {gib(m.get('perf/kv_headroom_bytes'))} | "
-                     f"{gib(result['kv_cache_bytes'])} | {step} |")
+                     f"{gib(result['kv_cache_bytes'])} | {result.get('kv_tokens') or '–'} | {step} |")
+    sglang = {run: r for run, r in results.items() if "perf/update_weights_sglang_time" in r["medians"]}
+    if sglang:
+        lines += ["", ("Colocated SGLang: its own handling (the seconds the push waited on the servers' answers: "
+                       "memory resume, weight updates, /weights_checker) against the whole update phase and the "
+                       "sync (medians, ms); the issue's target: perf/update_weights_time ≤ 1.2× SGLang's handling."),
+                  "", "| run | update_weights | SGLang's handling in it | ratio | sync | SGLang's handling in it | ratio |",
+                  "| --- |" + " ---: |" * 6]
+        for run, result in sglang.items():
+            m = result["medians"]
+            update, handled = m["perf/update_weights_time"], m["perf/update_weights_sglang_time"]
+            sync, sync_handled = m["perf/sync_time"], m["perf/sync_sglang_time"]
+            lines.append(f"| {run} | {ms(update)} | {ms(handled)} | {update / handled:.2f}× | {ms(sync)} | "
+                         f"{ms(sync_handled)} | {sync / sync_handled:.2f}× |")
     lines += ["", ("The plan's cost, group by group (medians, ms): each group's pause (its copies to pinned host "
                    "waited for), the caching allocator's empty_cache, and the resume's two parts."), "",
               "| run | " + " | ".join(k.removeprefix("perf/").removesuffix("_time") for k in GROUPS) + " |",
@@ -213,7 +249,12 @@ def main() -> int:
                         help="where the built-in models are made (default OUTDIR/models; 3.4 GB and 8 GB)")
     parser.add_argument("--extra", default="", help="more `redline train` flags for every run, one string")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds before a run is killed")
+    parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--tag", default="", help="appended to each run's name (one call's runs beside another's)")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     out = args.out.resolve()
     write_environment(out)  # device, versions, date, commit beside the summary
     env = build_native(out)
@@ -222,18 +263,18 @@ def main() -> int:
     for shape in args.shapes.split(","):
         model = (args.models or out / "models").resolve() / shape
         make_model(model, shape)
-        for mode, mode_flags in MODES.items():
-            run = f"{shape}-{mode}"
-            flags = [*mode_flags, *SHAPE_FLAGS.get(shape, []), *args.extra.split()]
-            if "gpu" in flags and "--optimizer-cpu-offload" in flags:
-                continue
+        for mode in modes:
+            run = f"{shape}-{mode}{args.tag}"
+            flags = [*MODES[mode], *SHAPE_FLAGS.get(shape, []), *args.extra.split()]
             result = train(out, run, args.config, model, args.steps, flags, env, args.run_timeout)
-            result.update(medians=medians(out / run), kv_cache_bytes=kv_cache_bytes(args.config, model))
+            sglang_kv = sglang_kv_cache(out / run)
+            result.update(medians=medians(out / run), kv_tokens=sglang_kv and sglang_kv["tokens"],
+                          kv_cache_bytes=sglang_kv["bytes"] if sglang_kv else kv_cache_bytes(args.config, model))
             results[run] = result
             summary(out, results)
     print(summary(out, results))
-    return 0 if any(results.get(f"{shape}-{mode}", {}).get("ok") for shape in args.shapes.split(",")
-                    for mode in MODES) else 1
+    return 0 if any(results.get(f"{shape}-{mode}{args.tag}", {}).get("ok") for shape in args.shapes.split(",")
+                    for mode in modes) else 1
 
 
 if __name__ == "__main__":

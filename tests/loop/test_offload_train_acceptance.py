@@ -58,3 +58,26 @@ def test_the_summary_lists_each_groups_bytes_and_measured_pause_and_resume(tmp_p
 def test_the_4b_shape_keeps_its_optimizer_state_in_pinned_host_memory_in_both_modes():
     assert "--optimizer-cpu-offload" in acceptance_module().SHAPE_FLAGS["qwen3-4b"]
     assert "qwen3-1.7b" not in acceptance_module().SHAPE_FLAGS
+
+
+def test_a_colocated_sglang_run_reports_its_kv_cache_and_its_handling_against_the_update_phase(tmp_path):
+    acceptance = acceptance_module()
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "sglang-30000.log").write_text("[2026-11-24 17:48:36] KV Cache is allocated. dtype: torch.bfloat16, "
+                                           "#tokens: 750371, K size: 40.07 GB, V size: 40.07 GB\n")
+    assert acceptance.sglang_kv_cache(tmp_path / "run") == {"tokens": 750371, "bytes": int(80.14 * 2**30)}
+    assert acceptance.sglang_kv_cache(tmp_path) is None  # no server log: an embedded engine's run
+    medians = {"perf/update_weights_time": 0.120, "perf/update_weights_sglang_time": 0.100,
+               "perf/sync_time": 0.050, "perf/sync_sglang_time": 0.040}
+    results = {"s-offload-train-auto": {"ok": True, "error": "", "flags": ["--offload-train"], "plan": [],
+                                        "medians": medians, "kv_cache_bytes": 2**30, "kv_tokens": 750371}}
+    text = acceptance.summary(tmp_path, results)
+    assert "| s-offload-train-auto | 120.0 | 100.0 | 1.20× | 50.0 | 40.0 | 1.25× |" in text
+    assert "| 1.00 | 750371 | – |" in text  # the engine's KV cache (GiB), its tokens, the step time
+
+
+def test_an_unknown_mode_is_refused_naming_the_choices(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "offload_train_acceptance.py"), str(tmp_path),
+                           "--modes", "offload-train,fast"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "--modes: unknown ['fast']" in done.stderr and "offload-train-auto" in done.stderr
