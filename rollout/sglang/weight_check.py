@@ -3,7 +3,8 @@
 The server hashes each of its parameters with SGLang's ``tensor_hash`` (a hash of the bytes) and answers
 ``{"ranks": [{"checksums": {name: "%016x"}, ...}], ...}``. The same function over the same bytes here gives
 the expected values. SGLang's parameters are HF tensors fused along dim 0 (q/k/v into ``qkv_proj``, gate/up
-into ``gate_up_proj``), so the expected tensors are the sent ones fused the same way. Engine TP = 1 only (with
+into ``gate_up_proj``), and its embedding and LM head have their vocabulary rows zero-padded to a multiple of 64,
+so the expected tensors are the sent ones fused and padded the same way. Engine TP = 1 only (with
 TP each rank holds shards that SGLang's loader cuts). ``/weights_checker`` exists from SGLang 0.5.17 on.
 """
 
@@ -15,6 +16,10 @@ import torch
 
 # SGLang's fused parameter -> the HF modules concatenated into it (dim 0, in this order)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# SGLang's vocabulary-parallel embedding and LM head hold their rows padded to a multiple of this
+# (DEFAULT_VOCAB_PADDING_SIZE), the padding rows zero-filled by their weight loader
+VOCAB_PADDING = 64
+VOCAB_PARAMETERS = ("model.embed_tokens.weight", "lm_head.weight")
 _PART_OF = {part: (fused, index) for fused, parts in FUSED.items() for index, part in enumerate(parts)}
 
 Hash = Callable[[torch.Tensor], int]
@@ -34,7 +39,7 @@ def sglang_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
     for name, tensor in named:
         parts = name.rsplit(".", 2)  # prefix, module, "weight" / "bias"
         if not (len(parts) == 3 and parts[1] in _PART_OF):
-            yield name, tensor
+            yield name, _vocab_padded(tensor) if name in VOCAB_PARAMETERS else tensor
             continue
         fused, index = _PART_OF[parts[1]]
         fused_name = f"{parts[0]}.{fused}.{parts[2]}"
@@ -47,6 +52,12 @@ def sglang_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
         fused = name.rsplit(".", 2)[1]
         missing = [FUSED[fused][i] for i in range(len(FUSED[fused])) if i not in parts]
         raise ValueError(f"{name}: the sent tensors lack its part(s) {missing}")
+
+
+def _vocab_padded(tensor: torch.Tensor) -> torch.Tensor:
+    """``[vocab, hidden]`` as SGLang holds it: zero rows up to a multiple of ``VOCAB_PADDING``."""
+    missing = -tensor.shape[0] % VOCAB_PADDING
+    return torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])]) if missing else tensor
 
 
 def sglang_tensor_hash() -> Hash:

@@ -68,6 +68,18 @@ def test_each_fused_parameter_is_made_as_its_last_part_arrives():
     assert made_after[prefix + "mlp.gate_up_proj.weight"] == prefix + "mlp.gate_proj.weight"  # up arrived first
 
 
+def test_the_embedding_and_lm_head_are_hashed_with_sglangs_zero_padded_vocabulary_rows():
+    """SGLang pads their rows to a multiple of 64 and zero-fills the padding (a 485-token test tokenizer's model
+    failed the live check without it); other parameters and padded-already vocabularies pass through."""
+    embed, head, other = torch.randn(485, 8), torch.randn(512, 8), torch.randn(485, 8)
+    params = dict(sglang_parameters([("model.embed_tokens.weight", embed), ("lm_head.weight", head),
+                                     ("model.layers.0.mlp.down_proj.weight", other)]))
+    assert params["model.embed_tokens.weight"].shape == (512, 8)
+    assert torch.equal(params["model.embed_tokens.weight"][:485], embed)
+    assert not params["model.embed_tokens.weight"][485:].any()
+    assert params["lm_head.weight"] is head and params["model.layers.0.mlp.down_proj.weight"] is other
+
+
 def test_a_fused_parameter_missing_a_part_is_named():
     named = [(n, t) for n, t in layer_tensors() if n != "model.layers.0.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"mlp\.gate_up_proj\.weight.*'up_proj'"):
