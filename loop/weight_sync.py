@@ -236,10 +236,9 @@ class WeightSync:
                         raise SyncError(f"zero-copy weight sync: {len(moved)} parameter(s) no longer live in the "
                                         "storage the plan was made over (was a parameter's .data replaced?); "
                                         "build the WeightSync again, or pass zero_copy=False")
-                    self.sender.sync_flat(self.flat)
+                    self.sender.sync_flat(self.flat, version=str(version))
                 else:
-                    self.sender.sync(self.model.export_hf())
-            await self.engine.set_weight_version(version)
+                    self.sender.sync(self.model.export_hf(), version=str(version))
         elif self.mode == "staged":
             with device_scope(self.device):
                 self.local.sync(self.model.export_hf())

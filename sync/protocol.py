@@ -146,8 +146,9 @@ class WeightSender:
         self._unmapped_some = False
         self._acc: torch.Tensor | None = None
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        """Pack and send the export ``named_tensors`` (plan order, see ``bucketize``), then check checksums."""
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str | None = None) -> SyncReport:
+        """Pack and send the export ``named_tensors`` (plan order, see ``bucketize``), then check checksums.
+        ``version``: published by the receiver once the buckets are loaded (``serve``), no round trip of its own."""
         start = time.perf_counter()
         slots = self._staging()
         ready = [self._fence(f"slot{i}") for i in range(len(slots))]
@@ -165,15 +166,17 @@ class WeightSender:
                                  self.row_stride)
                 ready[slot].record()
                 self._send("bucket", index=layout.index, slot=slot)
-            self._finish(len(self.plan.buckets), acks=True)
+            self._finish(len(self.plan.buckets), acks=True, version=version)
         return SyncReport("pipelined", len(self.plan.buckets), self.plan.nbytes, time.perf_counter() - start,
                           ack_wait)
 
-    def sync_flat(self, flat_buckets: Sequence[torch.Tensor], *, keep_mapped: bool = True) -> SyncReport:
+    def sync_flat(self, flat_buckets: Sequence[torch.Tensor], *, keep_mapped: bool = True,
+                  version: str | None = None) -> SyncReport:
         """Zero-copy sync: ``flat_buckets[i]`` is a flat uint8 tensor already holding bucket ``i`` in the plan's
         layout (the trainer's parameters live in it); it is shared as is and nothing is packed. The receiver
         keeps the buffers mapped for the next sync (``keep_mapped``), or unmaps them when this one ends (for
-        buffers made for one sync only: their memory is freed once the caller drops them)."""
+        buffers made for one sync only: their memory is freed once the caller drops them). ``version``: as
+        ``sync``'s."""
         if len(flat_buckets) != len(self.plan.buckets):
             raise ValueError(f"sync_flat got {len(flat_buckets)} flat buckets, the plan has "
                              f"{len(self.plan.buckets)}")
@@ -196,7 +199,7 @@ class WeightSender:
             indices = list(range(len(flat_buckets)))
             self._send("buckets", indices=indices, slots=indices)
             unmap = [] if keep_mapped else [buffer_key(f) for f in flat_buckets]
-            self._finish(len(flat_buckets), acks=False, unmap=unmap)
+            self._finish(len(flat_buckets), acks=False, unmap=unmap, version=version)
         return SyncReport("zero-copy", len(flat_buckets), self.plan.nbytes, time.perf_counter() - start, 0.0)
 
     def release(self) -> None:
@@ -287,8 +290,9 @@ class WeightSender:
         self._unmapped_some = bool(close)
         return self._done
 
-    def _finish(self, count: int, *, acks: bool, unmap: Sequence[tuple[int, int]] = ()) -> None:
-        self._send("end", unmap=list(unmap))
+    def _finish(self, count: int, *, acks: bool, unmap: Sequence[tuple[int, int]] = (),
+                version: str | None = None) -> None:
+        self._send("end", unmap=list(unmap), version=version)
         self._ended = True
         if acks:
             self._await_done(count - 1)  # acks the loop did not need come before the checksums
@@ -305,6 +309,9 @@ class WeightSender:
             names = [self.plan.buckets[i].names[:3] for i in bad[:3]]
             raise ChecksumMismatch(f"session {self.session}: receiver checksums differ for buckets {bad} "
                                    f"(first tensors: {names}); received {len(received)} of {count} buckets")
+        if version is not None and not got.get("published"):
+            raise SyncError(f"session {self.session}: the receiver's loader has no publish_version, so weight "
+                            f"version {version!r} was not published; publish it another way (version=None)")
 
     def _await_done(self, index: int) -> None:
         while self._last_index < index:
@@ -387,7 +394,12 @@ class _Receiver:
                 _unmap(state, payload.get("unmap", ()))
                 slots.clear()  # this session's references: unmapped buffers are released before we answer
                 sums = fold(state.acc[received]).tolist() if received else []
-                self.conn.send(("checksums", session, {"indices": received, "sums": sums}))
+                version = payload.get("version")
+                publish = getattr(self.load, "publish_version", None)
+                if version is not None and publish is not None:
+                    publish(version)
+                self.conn.send(("checksums", session, {"indices": received, "sums": sums,
+                                                       "published": version is not None and publish is not None}))
                 return
             indices, slot_numbers = ((payload["indices"], payload["slots"]) if kind == "buckets"
                                      else ([payload["index"]], [payload["slot"]]))
@@ -457,6 +469,8 @@ def serve(conn, transport: Transport, load: Callable[[NamedViews], None]) -> Non
     copies the bucket out of ``flat`` and adds the bucket's checksum to ``acc`` in the same pass
     (``redline.sync.bucket_copy``); otherwise the receiver checksums the slot after ``load``. An exception from
     ``load`` is reported to the sender with its traceback and ends the session; the receiver keeps serving.
+    A ``load`` with ``publish_version(version)`` gets the version a sync carries (``WeightSender.sync``'s
+    ``version``) once that sync's buckets are loaded, before the checksums go back.
     """
     receiver = _Receiver(conn, transport, load)
     while True:

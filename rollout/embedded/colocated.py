@@ -36,6 +36,10 @@ class EngineTargets(TargetLoader):
         with self.engine.loading_weights():
             super().__call__(views)
 
+    def publish_version(self, version: str) -> None:
+        """The weight version a sync carries (``WeightSender.sync``'s ``version``), set once its buckets are in."""
+        self.engine.weight_version = str(version)
+
 
 def transport_kind(device: torch.device) -> str:
     """The protocol's transport between two processes on ``device``: CUDA IPC on a GPU, shared memory on the CPU."""

@@ -181,7 +181,7 @@ class EmbeddedEngineProcess:
         """A ``WeightSender`` of ``plan`` into this process's engine, packing on ``device`` (the trainer's: the
         engine's GPU, or the CPU over shared memory). One sender per engine: they share the channel, which
         carries one session at a time. ``checksum_row_stride``: 1 checks every row of every bucket, n every
-        n-th (and the last). After ``sync``, ``set_weight_version`` publishes the version."""
+        n-th (and the last). A sync's ``version`` is published by this process's loader as the sync ends."""
         if self._closed:
             raise RuntimeError("the embedded engine process is shut down")
         if self._weight_conn is None:

@@ -104,3 +104,21 @@ def triton_receiver(conn, targets):
 
 def lenient_receiver(conn, targets):
     receive_forever(conn, make_transport("shm"), TargetLoader(targets, strict=False))
+
+
+class PublishingLoader(TargetLoader):
+    """Records each published version with the number of tensors loaded by then (shared ``published``:
+    ``[count, version, tensors loaded]`` as int64, versions being integers here)."""
+
+    def __init__(self, targets, published):
+        super().__init__(targets)
+        self.published = published
+
+    def publish_version(self, version):
+        self.published[0] += 1
+        self.published[1] = int(version)
+        self.published[2] = len(self.loaded)
+
+
+def publishing_receiver(conn, targets, published):
+    receive_forever(conn, make_transport("shm"), PublishingLoader(targets, published))

@@ -10,7 +10,7 @@ import sync_procs
 from sync_export import layer_bytes, qwen3_export
 
 from redline.sync.plan import plan_for
-from redline.sync.protocol import ChecksumMismatch, ReceiverFailed, WeightSender
+from redline.sync.protocol import ChecksumMismatch, ReceiverFailed, SyncError, WeightSender
 from redline.sync.receiver import TargetLoader
 from redline.sync.transport import SharedMemoryTransport
 
@@ -348,3 +348,31 @@ def test_senders_sharing_a_connection_keep_their_own_state():
     first.release()
     assert counts[1] == 1
     stop(second, proc)
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["pipelined", "zero-copy"])
+def test_a_sync_carries_its_weight_version_to_a_loader_that_publishes_it_once_every_bucket_is_in(zero_copy):
+    export = qwen3_export(num_layers=2)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets, published = sync_procs.shared_zeros_like(export), torch.zeros(3, dtype=torch.int64).share_memory_()
+    with connected(sync_procs.publishing_receiver, targets, published, plan=plan) as sender:
+        for version in (7, 8):
+            if zero_copy:
+                sender.sync_flat(flat_buckets(plan, export), keep_mapped=False, version=str(version))
+            else:
+                sender.sync(export, version=str(version))
+            assert published.tolist() == [version - 6, version, len(targets)]
+        sender.sync(export)  # no version: nothing published
+        assert published[0] == 2
+    assert_targets_equal(targets, export)
+
+
+def test_a_version_the_receiver_cannot_publish_fails_the_sync_saying_so():
+    export = qwen3_export(num_layers=1)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    with connected(sync_procs.copy_receiver, targets, plan=plan) as sender:
+        with pytest.raises(SyncError, match="no publish_version, so weight version '3' was not published"):
+            sender.sync(export, version="3")
+        sender.sync(export)  # the channel still serves
+    assert_targets_equal(targets, export)
