@@ -23,13 +23,13 @@ ACCEPT=(python3 "$ROOT/benchmarks/offload_train_acceptance.py" "$OUT" --config "
 WORKLOAD_4B="--rollout-engine sglang --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 1024
              --rollout-ignore-eos --global-batch-size 512 --num-steps-per-rollout 1"
 case $PART in 1.7b|all)
-  "${ACCEPT[@]}" --shapes qwen3-1.7b --steps 8 --modes offload-train-auto --extra "--rollout-engine sglang" --tag -sglang ;;
+  "${ACCEPT[@]}" --shapes qwen3-1.7b --steps 8 --modes offload-train-auto --extra "--rollout-engine sglang" --tag=-sglang ;;
 esac
 case $PART in 4b-no-offload|all)
-  "${ACCEPT[@]}" --shapes qwen3-4b --steps 2 --modes no-offload-train --tag -sglang-e2e \
+  "${ACCEPT[@]}" --shapes qwen3-4b --steps 2 --modes no-offload-train --tag=-sglang-e2e \
     --extra "$WORKLOAD_4B --sglang-mem-fraction-static 0.45" ;;
 esac
 case $PART in 4b|all)
-  "${ACCEPT[@]}" --shapes qwen3-4b --steps 10 --modes offload-train-auto --tag -sglang-e2e \
+  "${ACCEPT[@]}" --shapes qwen3-4b --steps 10 --modes offload-train-auto --tag=-sglang-e2e \
     --extra "$WORKLOAD_4B --sglang-mem-fraction-static 0.7" ;;
 esac
