@@ -1,7 +1,7 @@
 """Issue 16's ``--offload-train`` acceptance on one GPU, from the loop's own metrics, in one command:
 
     python3 benchmarks/offload_train_acceptance.py OUTDIR [--shapes qwen3-1.7b,qwen3-4b] [--steps 4]
-        [--modes no-offload-train,offload-train,...] [--extra "--rollout-engine sglang ..."] [--tag -NAME]
+        [--modes no-offload-train,offload-train,...] [--extra "--rollout-engine sglang ..."] [--tag=-NAME]
 
 1. builds redline's native library (``cmake`` into ``build/native``; the VMM allocator behind PausableMemory)
    and points every run at it (``REDLINE_NATIVE_LIBRARY``): an older library on the machine lacks
@@ -10,13 +10,12 @@
    or ``--models``), ``redline train examples/qwen3_1p7b_breakdown.toml`` colocated with the in-process embedded engine,
    ``--backend bf16 --offload-rollout`` (fp32 master weights and AdamW moments on the GPU; the 4B shape with
    ``--optimizer-cpu-offload --recompute full --max-tokens-per-gpu 4096``: its 72 GB of state on the GPU did not
-   fit beside the engine on 80 GB, so its masters and moments live in pinned host memory in both modes and
+   fit beside the engine on 80 GB, so its masters and moments live in pinned host memory in every mode and
    ``--offload-train`` pauses the compute weights and gradients), ``--steps`` RL steps each, with
-   ``--no-offload-train``, with ``--offload-train --offload-train-optimizer host`` and (masters and moments on the
-   GPU only) with
-   ``--offload-train --offload-train-optimizer gpu`` (they stay resident: the plan's other choice); a run that
-   fails or passes ``--run-timeout`` is reported
-   as such, with its last error line;
+   ``--no-offload-train``, with ``--offload-train --offload-train-optimizer host`` and with
+   ``--offload-train --offload-train-optimizer gpu`` (what the GPU cannot rebuild stays resident: masters and
+   moments, or at 4B the compute weights; the plan's other choice); a run that fails or passes ``--run-timeout``
+   is reported as such, with its last error line;
 3. writes OUTDIR/<shape>-<mode>/ (metrics.jsonl, report.md with the phase plot), OUTDIR/<shape>-<mode>.log,
    OUTDIR/summary.md and OUTDIR/summary.json: per run the medians over the steps after the first of every
    phase of the colocated transition (release → resume train → … → pause train → resume engine weights →
@@ -56,9 +55,9 @@ from pathlib import Path
 from redline.env_report import write_environment
 
 ROOT = Path(__file__).resolve().parents[1]
-# the third mode keeps the masters and moments resident (their copies to and from pinned host are most of the
-# pause and resume): the plan's other choice, measured in the same call; not with --optimizer-cpu-offload, whose
-# masters and moments are on the host already
+# the third mode keeps what the GPU cannot rebuild resident (masters and moments, whose copies to and from pinned
+# host are most of the pause and resume; with --optimizer-cpu-offload the compute weights): the plan's other
+# choice, measured in the same call
 MODES = {"no-offload-train": ["--no-offload-train"],
          "offload-train": ["--offload-train", "--offload-train-optimizer", "host"],
          "offload-train-optimizer-gpu": ["--offload-train", "--offload-train-optimizer", "gpu"],
@@ -78,7 +77,7 @@ GROUPS = ("perf/pause_train_grads_time", "perf/pause_train_masters_time", "perf/
           "perf/resume_train_rebuild_time")
 PLAN_TITLE = "--offload-train, while the engine generates:"  # the start-up plan table's heading in a run's log
 # the 4B trainer's state is 72 GB (bf16 weights, fp32 grads, masters, two moments): on an 80 GB GPU beside the
-# engine both modes ran out of memory at start-up, so its masters and moments go to pinned host memory, and its
+# engine every mode ran out of memory at start-up, so its masters and moments go to pinned host memory, and its
 # activations are kept small
 SHAPE_FLAGS = {"qwen3-4b": ["--optimizer-cpu-offload", "--recompute", "full", "--max-tokens-per-gpu", "4096"]}
 
@@ -267,9 +266,11 @@ def main() -> int:
             run = f"{shape}-{mode}{args.tag}"
             flags = [*MODES[mode], *SHAPE_FLAGS.get(shape, []), *args.extra.split()]
             result = train(out, run, args.config, model, args.steps, flags, env, args.run_timeout)
-            sglang_kv = sglang_kv_cache(out / run)
+            sglang_kv = sglang_kv_cache(out / run)  # a SGLang run that failed before allocating has none
+            embedded = "sglang" not in flags
             result.update(medians=medians(out / run), kv_tokens=sglang_kv and sglang_kv["tokens"],
-                          kv_cache_bytes=sglang_kv["bytes"] if sglang_kv else kv_cache_bytes(args.config, model))
+                          kv_cache_bytes=(sglang_kv["bytes"] if sglang_kv else
+                                          kv_cache_bytes(args.config, model) if embedded else None))
             results[run] = result
             summary(out, results)
     print(summary(out, results))

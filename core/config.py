@@ -187,7 +187,7 @@ class TrainConfig:
         "fit in its free memory with the rest of the trainer paused, SGLang's being --sglang-mem-fraction-static "
         "of the GPU; else host), host (copied to pinned host memory and back every step; the copies are most of "
         "the pause and resume) or gpu (it stays resident: less memory for the engine, a transition of little "
-        "more than dropping the gradients)")
+        "more than dropping the gradients and, masters on the GPU, rebuilding the compute weights)")
     max_bad_steps: int = option(3, "stop after this many NaN/inf steps")
     sft_steps: int = option(0, "SFT warm-up optimizer steps before RL")
     sft_lr: float | None = option(None, "learning rate of the SFT warm-up (defaults to lr)")

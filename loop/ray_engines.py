@@ -160,9 +160,6 @@ class RayEngine:
     async def leave_weight_group(self) -> None:
         await self._call("leave_weight_group")
 
-    async def set_weight_version(self, version) -> None:
-        await self._call("set_weight_version", version)
-
     async def export_weights(self) -> list:
         return await self._call("export_weights")
 

@@ -50,8 +50,8 @@ ACTIONS = {"zeros": "dropped; zeros on resume",
            "host": "kept in pinned host memory",
            "stay": "stays on the GPU (--offload-train-optimizer)"}
 STATE, WEIGHTS = "state", "weights"  # the stages: before the engine resumes its weights, after the push
-# what an engine takes beyond its weights and KV cache (CUDA context, activations, CUDA graphs): the optimizer
-# state stays only where this is free too
+# what an engine takes beyond its weights and KV cache (CUDA context, activations, CUDA graphs): the state the
+# GPU cannot rebuild stays only where this is free too
 ENGINE_HEADROOM = 2**30
 
 
@@ -140,13 +140,13 @@ class TrainOffload:
         self._moments: list[weakref.ref] = []
         self.plan: OffloadPlan | None = None  # the plan of the pause in progress (None: resident)
         self.stage: str | None = None  # the last stage paused, None while resident
-        self.cache_bytes = 0  # the caching allocator's reserved bytes after the state's pause (empty_cache)
+        self.cache_bytes = 0  # the caching allocator's reserved bytes after the state's pause (make_room)
         # what the GPU cannot rebuild stays there (--offload-train-optimizer): the masters and moments, or with
         # --optimizer-cpu-offload (masters in host memory) the compute weights
         self.optimizer_resident = False
         self.placement: OptimizerPlacement | None = None  # --offload-train-optimizer auto's start-up choice
         # seconds of the last pause (perf/pause_train_<key>_time per group, perf/pause_train_cache_time for
-        # empty_cache) or the last resume (perf/resume_train_map_time: every allocation mapped back and the kept
+        # make_room) or the last resume (perf/resume_train_map_time: every allocation mapped back and the kept
         # contents copied in; perf/resume_train_rebuild_time: the compute weights rebuilt), measured around
         # synchronised device work: the plan's cost, group by group
         self.timings: dict[str, float] = {}
@@ -226,8 +226,9 @@ class TrainOffload:
     def place_optimizer(self, engine_bytes: int, engine: str) -> OptimizerPlacement:
         """``--offload-train-optimizer auto`` at start-up, once ``pause`` ran with ``optimizer_resident`` and
         before the engine takes its memory: the GPU's free memory measured (``device_memory``) against the
-        engine's ``engine_bytes`` (``engine``: how they were found). When they do not fit, the masters and
-        moments go to pinned host memory now and at every later pause."""
+        engine's ``engine_bytes`` (``engine``: how they were found). When they do not fit, what stayed (the
+        masters and moments, or with ``--optimizer-cpu-offload`` the compute weights) goes to pinned host memory
+        now and at every later pause."""
         if self.stage != WEIGHTS or not self.optimizer_resident:
             raise RuntimeError("TrainOffload.place_optimizer: pause with the optimizer state resident first "
                                f"(stage {self.stage}, optimizer_resident {self.optimizer_resident})")

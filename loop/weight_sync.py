@@ -38,7 +38,7 @@ from datetime import timedelta
 
 import torch
 from redline.devices import device_scope
-from redline.loop.train_offload import make_room
+from redline.loop.train_offload import device_memory, make_room
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 from redline.sync.protocol import SyncError
@@ -49,11 +49,6 @@ IN_PROCESS_ENV = "REDLINE_IN_PROCESS_SYNC"
 # 0: the engine process gets the pipelined protocol even where zero-copy applies
 ZERO_COPY_ENV = "REDLINE_SYNC_ZERO_COPY"
 CACHE_HEADROOM = 2**30  # bytes beyond the engine's own that must be free before the trainer's cache is left alone
-
-
-def free_device_bytes(device: torch.device) -> int:
-    """Free memory of the whole GPU as the driver sees it (every process); 0 off CUDA."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
 
 def in_process_mode(device: torch.device) -> str:
@@ -164,11 +159,11 @@ class WeightSync:
         if self.offload and self.seat is not None:  # the engine is idle only once every rank of the seat is
             await asyncio.to_thread(_barrier, self.seat.group)
         if self.offload and not self.released and self.controls_engine:
-            free_before = free_device_bytes(self.device)
+            free_before = device_memory(self.device)[0]
             await self._timed("perf/release_time", self.engine.release_memory({"weights", "kv_cache"}))
             # what the engine gave back to the driver, and takes again on resume (an in-process engine returns its
             # memory to the shared caching allocator instead: 0 here)
-            self.engine_bytes = free_device_bytes(self.device) - free_before
+            self.engine_bytes = device_memory(self.device)[0] - free_before
             self.released = True
         await self.resume_train()
 
@@ -198,8 +193,11 @@ class WeightSync:
             await self._timed("perf/pause_train_time", self._make_room())
             if self.device.type == "cuda":
                 self.timings["perf/trainer_paused_bytes"] = torch.cuda.memory_reserved(self.device)
+        weights_bytes = 0  # what the engine's weights took back: the rest of engine_bytes is its KV cache
         if self.released:
+            free_before = device_memory(self.device)[0]
             await self._timed("perf/resume_weights_time", self.engine.resume_memory({"weights"}))
+            weights_bytes = free_before - device_memory(self.device)[0]
         before_sync = self.engine.handling_seconds if handled is not None else None
         await self._timed("perf/sync_time", self._sync(version))
         if handled is not None:
@@ -213,8 +211,11 @@ class WeightSync:
             self.timings["perf/trainer_paused_bytes"] = self.train.residual_bytes()
             self.timings.update(self.train.timings)  # each group's pause (perf/pause_train_<group>_time)
         if self.released:
-            if self.device.type == "cuda":  # free memory as the KV cache comes back: what a cache sized by it gets
-                self.timings["perf/kv_headroom_bytes"] = free_device_bytes(self.device)
+            if self.device.type == "cuda":
+                # the push's own buffers came out of the room the pause left: the KV cache must still fit
+                make_room(self.device, self.engine_bytes - weights_bytes + CACHE_HEADROOM)
+                # free memory as the KV cache comes back: what a cache sized by it gets
+                self.timings["perf/kv_headroom_bytes"] = device_memory(self.device)[0]
             await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
         if handled is not None:

@@ -20,9 +20,6 @@ class EngineFanOut:
         buckets = [list(b) for b in buckets]  # each engine reads every bucket
         await self._all("update_weights", buckets, version)
 
-    async def set_weight_version(self, version):
-        await self._all("set_weight_version", version)
-
     async def release_memory(self, tags):
         await self._all("release_memory", tags)
 

@@ -397,7 +397,11 @@ class _Receiver:
                 version = payload.get("version")
                 publish = getattr(self.load, "publish_version", None)
                 if version is not None and publish is not None:
-                    publish(version)
+                    try:
+                        publish(version)
+                    except Exception:
+                        self.conn.send(("error", session, {"index": -1, "traceback": traceback.format_exc()}))
+                        return
                 self.conn.send(("checksums", session, {"indices": received, "sums": sums,
                                                        "published": version is not None and publish is not None}))
                 return
@@ -470,7 +474,9 @@ def serve(conn, transport: Transport, load: Callable[[NamedViews], None]) -> Non
     (``redline.sync.bucket_copy``); otherwise the receiver checksums the slot after ``load``. An exception from
     ``load`` is reported to the sender with its traceback and ends the session; the receiver keeps serving.
     A ``load`` with ``publish_version(version)`` gets the version a sync carries (``WeightSender.sync``'s
-    ``version``) once that sync's buckets are loaded, before the checksums go back.
+    ``version``) once that sync's buckets are loaded, before the checksums go back: the sender compares them after,
+    and a mismatch raises there (the run stops with the engine's weights labelled but wrong); an exception from
+    ``publish_version`` fails the sync like one from ``load``.
     """
     receiver = _Receiver(conn, transport, load)
     while True:

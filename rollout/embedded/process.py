@@ -190,9 +190,6 @@ class EmbeddedEngineProcess:
         return _sender(self._weight_conn, plan, device, alive=self._process.is_alive, num_slots=num_slots,
                        timeout=timeout, checksum_row_stride=checksum_row_stride)
 
-    async def set_weight_version(self, version: str) -> None:
-        await self._call("set_weight_version", str(version))
-
     async def load_weights(self, named_tensors) -> None:
         """Copy one bucket of HF-named tensors into the child's model; returns once copied."""
         await self._call("load_weights", [(name, tensor.detach()) for name, tensor in named_tensors])

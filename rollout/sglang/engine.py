@@ -176,13 +176,15 @@ class SGLangEngine:
     async def verify_weights(self, named_tensors, hash_fn=None) -> None:
         """Raise ``WeightsMismatch`` unless every server holds exactly ``named_tensors`` (HF names, the tensors
         last sent), compared through SGLang's ``/weights_checker`` hashes (``weight_check``). TP = 1 servers. The
-        expected hashes are computed here (in a worker thread, on the caller's GPU) while the servers hash theirs."""
+        expected hashes are computed here while the servers hash theirs: ``named_tensors`` is consumed in a worker
+        thread on the caller's GPU, streamed (a generator gathering a model-parallel export holds one fused
+        parameter at a time, as ``sglang_parameters`` does)."""
         if self.tp_size != 1:
             raise ValueError(f"verify_weights compares whole tensors; the servers have tp_size={self.tp_size}")
         answers = asyncio.ensure_future(self._all("weight_checksums"))
         try:
-            expected = await asyncio.to_thread(_on_device, _current_device(), expected_checksums,
-                                               list(named_tensors), hash_fn)
+            expected = await asyncio.to_thread(_on_device, _current_device(), expected_checksums, named_tensors,
+                                               hash_fn)
         except BaseException:
             answers.cancel()
             raise

@@ -178,10 +178,10 @@ def test_the_trainers_cache_is_emptied_only_when_the_engine_would_not_fit(monkey
     with 4.5 GiB (less than 4 GiB + the 1 GiB headroom) they go back to the driver first."""
     import asyncio
 
-    from redline.loop import weight_sync
+    from redline.loop import train_offload, weight_sync
 
     calls = []
-    monkeypatch.setattr(weight_sync, "free_device_bytes", lambda device: free)
+    monkeypatch.setattr(train_offload, "device_memory", lambda device: (free, 80 * 2**30))
     monkeypatch.setattr(weight_sync.torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     sync = object.__new__(weight_sync.WeightSync)
     sync.device, sync.engine_bytes = torch.device("cuda"), 4 * 2**30

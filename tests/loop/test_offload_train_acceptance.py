@@ -55,7 +55,7 @@ def test_the_summary_lists_each_groups_bytes_and_measured_pause_and_resume(tmp_p
     assert "| master weights (fp32) | kept in pinned host memory | 6.41 GiB | 6.41 GiB |" in text
 
 
-def test_the_4b_shape_keeps_its_optimizer_state_in_pinned_host_memory_in_both_modes():
+def test_the_4b_shape_keeps_its_optimizer_state_in_pinned_host_memory_in_every_mode():
     assert "--optimizer-cpu-offload" in acceptance_module().SHAPE_FLAGS["qwen3-4b"]
     assert "qwen3-1.7b" not in acceptance_module().SHAPE_FLAGS
 

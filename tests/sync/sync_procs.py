@@ -107,18 +107,30 @@ def lenient_receiver(conn, targets):
 
 
 class PublishingLoader(TargetLoader):
-    """Records each published version with the number of tensors loaded by then (shared ``published``:
-    ``[count, version, tensors loaded]`` as int64, versions being integers here)."""
+    """Records each published version with the number of buckets loaded since the last one (shared
+    ``published``: ``[count, version, buckets]`` as int64, versions being integers here)."""
 
     def __init__(self, targets, published):
         super().__init__(targets)
-        self.published = published
+        self.published, self.buckets = published, 0
+
+    def load_bucket(self, flat, layout, acc, row_stride=1):
+        super().load_bucket(flat, layout, acc, row_stride)
+        self.buckets += 1
 
     def publish_version(self, version):
-        self.published[0] += 1
-        self.published[1] = int(version)
-        self.published[2] = len(self.loaded)
+        self.published[:] = torch.tensor([self.published[0] + 1, int(version), self.buckets])
+        self.buckets = 0
 
 
 def publishing_receiver(conn, targets, published):
     receive_forever(conn, make_transport("shm"), PublishingLoader(targets, published))
+
+
+class RefusingLoader(TargetLoader):
+    def publish_version(self, version):
+        raise ValueError(f"version {version} refused")
+
+
+def refusing_receiver(conn, targets):
+    receive_forever(conn, make_transport("shm"), RefusingLoader(targets))

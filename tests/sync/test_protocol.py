@@ -361,7 +361,7 @@ def test_a_sync_carries_its_weight_version_to_a_loader_that_publishes_it_once_ev
                 sender.sync_flat(flat_buckets(plan, export), keep_mapped=False, version=str(version))
             else:
                 sender.sync(export, version=str(version))
-            assert published.tolist() == [version - 6, version, len(targets)]
+            assert published.tolist() == [version - 6, version, len(plan.buckets)]  # after every bucket
         sender.sync(export)  # no version: nothing published
         assert published[0] == 2
     assert_targets_equal(targets, export)
@@ -375,4 +375,15 @@ def test_a_version_the_receiver_cannot_publish_fails_the_sync_saying_so():
         with pytest.raises(SyncError, match="no publish_version, so weight version '3' was not published"):
             sender.sync(export, version="3")
         sender.sync(export)  # the channel still serves
+    assert_targets_equal(targets, export)
+
+
+def test_a_publish_that_fails_fails_the_sync_with_the_receivers_traceback_and_the_channel_still_serves():
+    export = qwen3_export(num_layers=1)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    with connected(sync_procs.refusing_receiver, targets, plan=plan) as sender:
+        with pytest.raises(ReceiverFailed, match="version 4 refused"):
+            sender.sync(export, version="4")
+        sender.sync(export)
     assert_targets_equal(targets, export)
