@@ -101,7 +101,8 @@ setup(
         "wandb": ["wandb"],
         "trl": ["trl>=1.12,<1.17"],  # redline.kernels.integrations.trl replaces GRPOTrainer methods of these releases
         "test": ["pytest>=8", "pytest-benchmark", "triton>=3.2", "hypothesis", "pyarrow", "sympy", "math-verify",
-                 "nvidia-ml-py", "aiohttp", "wandb", "trl>=1.12,<1.17", "ray>=2.40"],
+                 "nvidia-ml-py", "aiohttp", "wandb", "trl>=1.12,<1.17",
+                 "ray[default]>=2.40"],  # the Ray tests read actor placement through the state API (its dashboard)
     },
     entry_points={"console_scripts": ["redline=redline.cli:main"]},
     cmdclass={"build_py": BuildPyWithNative},
