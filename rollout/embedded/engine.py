@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-from redline.devices import device_scope
+from redline.devices import on_device
 from redline.rollout.embedded.sampling import lm_head_logits, sample
 from redline.rollout.embedded.stops import StopChecker
 from redline.rollout.embedded.weights import WeightLoader
@@ -124,7 +124,7 @@ class EmbeddedEngine:
 
     async def update_weights(self, buckets: WeightBuckets, version: str) -> None:
         async for bucket in iterate_buckets(buckets):
-            await asyncio.to_thread(self._on_device, self.load_weights, bucket)
+            await asyncio.to_thread(on_device, self.device, self.load_weights, bucket)
         self.weight_version = str(version)
 
     def load_weights(self, named_tensors, wait: bool = True) -> None:
@@ -144,11 +144,11 @@ class EmbeddedEngine:
 
     async def release_memory(self, tags) -> None:
         tags = check_tags(tags)
-        await asyncio.to_thread(self._on_device, self._release, tags)
+        await asyncio.to_thread(on_device, self.device, self._release, tags)
 
     async def resume_memory(self, tags) -> None:
         tags = check_tags(tags)
-        await asyncio.to_thread(self._on_device, self._resume, tags)
+        await asyncio.to_thread(on_device, self.device, self._resume, tags)
 
     async def flush_cache(self) -> None:
         """Nothing to do: the engine keeps no prefix cache across requests."""
@@ -206,16 +206,8 @@ class EmbeddedEngine:
 
     # ----- scheduler thread -------------------------------------------------------------------------------
 
-    def _on_device(self, work, *args):
-        """``work(*args)`` with this engine's GPU as the thread's current device. A new thread starts on cuda:0
-        whatever its parent chose, and Triton launches, stream and CUDA-graph capture follow the current device:
-        an engine on cuda:1 (a data-parallel rank's) would otherwise capture an empty graph and launch its
-        kernels on the wrong GPU."""
-        with device_scope(self.device):
-            return work(*args)
-
     def _serve(self) -> None:
-        self._on_device(self._serve_loop)
+        on_device(self.device, self._serve_loop)
 
     def _serve_loop(self) -> None:
         while True:

@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import torch
+from redline.devices import current_device, on_device
 from redline.rollout.engine import (
     SerializedBucket,
     WeightBuckets,
@@ -122,7 +123,7 @@ class SGLangEngine:
         try:
             async for bucket in iterate_buckets(buckets):
                 if not isinstance(bucket, SerializedBucket):
-                    bucket = await asyncio.to_thread(_on_device, _current_device(), serialize_bucket, list(bucket),
+                    bucket = await asyncio.to_thread(on_device, current_device(), serialize_bucket, list(bucket),
                                                      self.tp_size)
                 if len(bucket.per_rank) != self.tp_size:
                     raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
@@ -183,7 +184,7 @@ class SGLangEngine:
             raise ValueError(f"verify_weights compares whole tensors; the servers have tp_size={self.tp_size}")
         answers = asyncio.ensure_future(self._all("weight_checksums"))
         try:
-            expected = await asyncio.to_thread(_on_device, _current_device(), expected_checksums, named_tensors,
+            expected = await asyncio.to_thread(on_device, current_device(), expected_checksums, named_tensors,
                                                hash_fn)
         except BaseException:
             answers.cancel()
@@ -223,15 +224,3 @@ class SGLangEngine:
             await asyncio.to_thread(process.stop)
         self.owned.clear()
 
-
-def _current_device() -> int | None:
-    """The calling thread's CUDA device (None without CUDA): a worker thread starts on cuda:0 whatever it is."""
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
-
-
-def _on_device(device: int | None, fn, *args):
-    """``fn(*args)`` with ``device`` current (in a worker thread, the caller's GPU)."""
-    if device is None:
-        return fn(*args)
-    with torch.cuda.device(device):
-        return fn(*args)

@@ -367,23 +367,17 @@ def test_a_sync_carries_its_weight_version_to_a_loader_that_publishes_it_once_ev
     assert_targets_equal(targets, export)
 
 
-def test_a_version_the_receiver_cannot_publish_fails_the_sync_saying_so():
+@pytest.mark.parametrize(("receiver", "error", "match"), [
+    ("copy_receiver", SyncError, "no publish_version, so weight version '4' was not published"),
+    ("refusing_receiver", ReceiverFailed, "version 4 refused"),  # the receiver's traceback
+], ids=["no-publish_version", "publish_version-raises"])
+def test_a_version_the_receiver_does_not_publish_fails_the_sync_saying_why_and_the_channel_still_serves(
+        receiver, error, match):
     export = qwen3_export(num_layers=1)
     plan = plan_for(export, bucket_bytes=layer_bytes())
     targets = sync_procs.shared_zeros_like(export)
-    with connected(sync_procs.copy_receiver, targets, plan=plan) as sender:
-        with pytest.raises(SyncError, match="no publish_version, so weight version '3' was not published"):
-            sender.sync(export, version="3")
-        sender.sync(export)  # the channel still serves
-    assert_targets_equal(targets, export)
-
-
-def test_a_publish_that_fails_fails_the_sync_with_the_receivers_traceback_and_the_channel_still_serves():
-    export = qwen3_export(num_layers=1)
-    plan = plan_for(export, bucket_bytes=layer_bytes())
-    targets = sync_procs.shared_zeros_like(export)
-    with connected(sync_procs.refusing_receiver, targets, plan=plan) as sender:
-        with pytest.raises(ReceiverFailed, match="version 4 refused"):
+    with connected(getattr(sync_procs, receiver), targets, plan=plan) as sender:
+        with pytest.raises(error, match=match):
             sender.sync(export, version="4")
         sender.sync(export)
     assert_targets_equal(targets, export)
