@@ -18,6 +18,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${1:?usage: bash benchmarks/sglang_colocated_acceptance.sh OUTDIR [1.7b|4b-no-offload|4b|all]}
 PART=${2:-all}
+case $PART in 1.7b|4b-no-offload|4b|all) ;;
+  *) echo "sglang_colocated_acceptance.sh: part '$PART' is not one of 1.7b, 4b-no-offload, 4b, all" >&2; exit 2 ;;
+esac
 ACCEPT=(python3 "$ROOT/benchmarks/offload_train_acceptance.py" "$OUT" --config "$ROOT/examples/qwen3_1p7b_breakdown.toml"
         --models "$OUT/models" --run-timeout 1800)
 WORKLOAD_4B="--rollout-engine sglang --rollout-batch-size 64 --n-samples-per-prompt 8 --rollout-max-response-len 1024
