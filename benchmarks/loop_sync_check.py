@@ -98,6 +98,8 @@ def summary(outdir: str) -> int:
         verdict = (f"median after the first step: update_weights {update * 1e3:.2f} ms "
                    f"({'met' if ok_update else 'MISSED'}), sync {sync * 1e3:.2f} ms = "
                    f"{sync / copy['copy_s']:.2f}× the copy ({'met' if ok_sync else 'MISSED'})")
+        if all("perf/gpu_mem_gb" in r for r in steady):  # NVML, the whole GPU: the engine process included
+            verdict += f"; GPU memory in use {statistics.median(r['perf/gpu_mem_gb'] for r in steady):.2f} GB"
         lines += ["", verdict, ""]
     text = "\n".join(lines) + "\n"
     (root / "summary.md").write_text(text)

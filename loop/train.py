@@ -132,7 +132,8 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         weight_sync = engine_sync(engine, lambda engine: WeightSync(
             model, engine, bucket_bytes=config.sync.update_weight_buffer_size, offload=config.sync.offload_rollout,
             device=device, check_weights=config.sync.check_weights, seat=rollout.engine_seat,
-            train_offload=train_offload(device) if train_cfg.offload_train else None))
+            train_offload=train_offload(device) if train_cfg.offload_train else None,
+            share_weights=config.rollout.async_rollout == "off"))  # async: the engine generates while we train
     else:  # under TP/PP the group's leader broadcasts its gathered stream, the other ranks gather with it
         engines = [] if engine is None else getattr(engine, "engines", [engine])
         broadcast = {"bucket_bytes": config.sync.update_weight_buffer_size, "device": device,

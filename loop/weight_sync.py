@@ -48,6 +48,8 @@ SAMPLED_ROW_STRIDE = 16  # the default check reads every 16th 8 KiB row of a buc
 IN_PROCESS_ENV = "REDLINE_IN_PROCESS_SYNC"
 # 0: the engine process gets the pipelined protocol even where zero-copy applies
 ZERO_COPY_ENV = "REDLINE_SYNC_ZERO_COPY"
+# 0: the embedded engine keeps its own copy of the weights even where it could read the trainer's in place
+SHARE_ENV = "REDLINE_SYNC_SHARE"
 CACHE_HEADROOM = 2**30  # bytes beyond the engine's own that must be free before the trainer's cache is left alone
 
 
@@ -89,6 +91,13 @@ class WeightSync:
     ``model``: a ``redline.trainer.models`` decoder (``export_hf()``); ``engine``: the colocated rollout engine;
     ``device``: the trainer's. How a push travels depends on the engine (``mode``):
 
+    * ``shared`` (``share_weights``, the synchronous loop: the trainer never writes its weights while the engine
+      generates): the embedded engine's parameters are views of the trainer's flat compute buffer — mapped over
+      CUDA IPC (shared memory on the CPU) by the engine process, the same tensors' memory in-process — so a push
+      moves no bytes and the engine keeps no copy of its own. The process checksums the shared buffers in place
+      (sampled rows, all with --check-weights) against the trainer's; in-process, every engine parameter's
+      address is checked to be the trainer's tensor's. Where the export does not live in flat storage, or with
+      ``--offload-train`` (its compute weights are paused while the engine generates), or ``REDLINE_SYNC_SHARE=0``:
     * ``pipelined`` / ``zero-copy``: an engine in its own process (``EmbeddedEngineProcess.weight_sender``):
       ``redline.sync.protocol`` over CUDA IPC (shared memory on the CPU), staging slots mapped once; zero-copy
       when the export's tensors live in one flat storage per dtype, as the mixed-precision trainer's compute
@@ -116,11 +125,13 @@ class WeightSync:
     """
 
     def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
-                 check_weights: bool = False, zero_copy: bool | None = None, seat=None, train_offload=None):
+                 check_weights: bool = False, zero_copy: bool | None = None, seat=None, train_offload=None,
+                 share_weights: bool = False):
         self.model, self.engine, self.offload, self.seat = model, engine, offload, seat
         self.train = train_offload  # redline.loop.train_offload.TrainOffload (--offload-train) or None
         if train_offload is not None:
-            zero_copy = False  # pausable memory cannot be exported over CUDA IPC
+            zero_copy = share_weights = False  # pausable memory cannot be exported over CUDA IPC
+        share_weights = share_weights and os.environ.get(SHARE_ENV, "1") != "0"
         # the rank that makes the engine's memory calls: a seat's leader, or the only user of its own engine
         self.controls_engine = seat is None or seat.is_leader
         self.device = torch.device(device)
@@ -129,24 +140,23 @@ class WeightSync:
         self.engine_bytes = 0  # bytes the engine released to the driver at its last release
         self.row_stride = 1 if check_weights else SAMPLED_ROW_STRIDE
         self.timings: dict[str, float] = {}
-        self.sender = self.local = self.flat = None
+        self.sender = self.local = self.flat = self.targets = None
         if hasattr(engine, "weight_sender"):
             if zero_copy is None:
                 zero_copy = os.environ.get(ZERO_COPY_ENV, "1") != "0"
-            in_place = plan_in_place(model.export_hf(), bucket_bytes) if zero_copy else None
-            if in_place is not None:
-                self.plan, self.flat = in_place
-                # zero-copy reads the parameters' storage as it was planned: checked at every push (cheap)
-                self._homes = [(p, _offset(p)) for p in model.parameters() if _base(p) in self._flat_bases()]
+            self._plan_in_place(bucket_bytes, zero_copy)
             self.sender = engine.weight_sender(self.plan, self.device, checksum_row_stride=self.row_stride)
-            self.mode = "zero-copy" if self.flat is not None else "pipelined"
+            self.mode = "pipelined" if self.flat is None else "shared" if share_weights else "zero-copy"
         elif hasattr(engine, "loading_weights"):
             from redline.rollout.embedded.colocated import EngineTargets
             from redline.sync.local import LocalSender
 
-            self.mode = in_process_mode(self.device)
-            self.local = LocalSender(self.plan, EngineTargets(engine), self.device,
-                                     checksum_row_stride=self.row_stride)
+            self.targets = EngineTargets(engine)
+            if self._plan_in_place(bucket_bytes, share_weights):
+                self.mode = "shared"
+            else:
+                self.mode = in_process_mode(self.device)
+                self.local = LocalSender(self.plan, self.targets, self.device, checksum_row_stride=self.row_stride)
         elif seat is not None:
             self.mode = "sglang-tp"
         else:
@@ -227,19 +237,39 @@ class WeightSync:
             if self.device.type == "cuda":
                 torch.cuda.ipc_collect()
 
+    def _plan_in_place(self, bucket_bytes: int, wanted: bool) -> bool:
+        """Plan the buckets as ranges of the trainer's flat storages (``redline.sync.zero_copy``) when ``wanted``
+        and the export lives in such storage; whether it did."""
+        in_place = plan_in_place(self.model.export_hf(), bucket_bytes) if wanted else None
+        if in_place is not None:
+            self.plan, self.flat = in_place
+            # zero-copy / shared read the parameters' storage as it was planned: checked at every push (cheap)
+            self._homes = [(p, _offset(p)) for p in self.model.parameters() if _base(p) in self._flat_bases()]
+        return in_place is not None
+
+    def _check_in_place(self) -> None:
+        bases = self._flat_bases()  # addresses, not identities: shared memory moves a CPU storage once
+        moved = [p for p, home in self._homes if _base(p) not in bases or _offset(p) != home]
+        if moved:
+            raise SyncError(f"{self.mode} weight sync: {len(moved)} parameter(s) no longer live in the storage the "
+                            "plan was made over (was a parameter's .data replaced?); build the WeightSync again, "
+                            f"or set {ZERO_COPY_ENV}=0 / {SHARE_ENV}=0")
+
     async def _sync(self, version: str) -> None:
+        if self.flat is not None:
+            self._check_in_place()
         if self.sender is not None:  # the engine's own process; blocks this thread, nothing else runs meanwhile
             with device_scope(self.device):
                 if self.flat is not None:
-                    bases = self._flat_bases()  # addresses, not identities: shared memory moves a CPU storage once
-                    moved = [p for p, home in self._homes if _base(p) not in bases or _offset(p) != home]
-                    if moved:
-                        raise SyncError(f"zero-copy weight sync: {len(moved)} parameter(s) no longer live in the "
-                                        "storage the plan was made over (was a parameter's .data replaced?); "
-                                        "build the WeightSync again, or pass zero_copy=False")
-                    self.sender.sync_flat(self.flat, version=str(version))
+                    self.sender.sync_flat(self.flat, version=str(version), share=self.mode == "shared")
                 else:
                     self.sender.sync(self.model.export_hf(), version=str(version))
+        elif self.mode == "shared":  # the in-process engine: its parameters are (made) the trainer's tensors
+            reason = self.targets.share(self.flat, self.plan)
+            if reason is not None:
+                raise SyncError(f"shared weight sync: the in-process engine cannot use the trainer's weights in "
+                                f"place: {reason}; {SHARE_ENV}=0 gives it its own copy")
+            await self.engine.update_weights([], version)  # no buckets: publishes the version
         elif self.mode == "staged":
             with device_scope(self.device):
                 self.local.sync(self.model.export_hf())
@@ -317,6 +347,10 @@ class WeightSync:
                               f"{self.seat.engine_rank if self.seat else 0})",
                  "unchecked": "no check (this engine offers none)",
                  "direct": f"sent vs held bytes, {rows}"}.get(self.mode, f"bucket checksums, {rows}")
+        if self.mode == "shared":
+            check = ("the engine reads the trainer's compute buffer in place, " +
+                     (f"checksummed there, {rows}" if self.sender is not None else
+                      "its parameters' addresses checked to be the trainer's tensors"))
         train = ""
         if self.train is not None:
             plan = self.train.plan or self.train.make_plan()  # the pause's own plan while paused

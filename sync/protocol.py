@@ -14,6 +14,8 @@ One sync is a session::
                                          <-- done k          (sent as soon as the work is queued)
     zero-copy: ready.record(); checksum every flat bucket
       buckets {all k}                    --> ready.wait(); load and checksum every bucket (no acks)
+    shared (zero-copy with ``share``): begin carries share; the receiver's loader takes the flat buckets as its
+      weights (once; then an identity check) and "loading" a bucket is its checksum alone
     end                                  --> synchronize the device
                                          <-- checksums [[plain, weighted] per bucket]
     compare with the sender's checksums: any difference raises ChecksumMismatch
@@ -23,7 +25,10 @@ receiver's reads of it are complete on the device (the ack carries the fence; th
 is the handshake whose absence corrupts weights in the anchors (sync.md §4). Neither side blocks its host on
 the device until ``end``; the receiver's ``end`` synchronisation also completes every read of the session, so
 the next session may reuse any slot. In zero-copy mode the slots are the trainer's own flat parameter storages
-(one per bucket, never written during the session), so nothing is packed.
+(one per bucket, never written during the session), so nothing is packed; shared, nothing is copied either: the
+engine reads the trainer's storage as its weights, and the sender promises not to write it while the engine
+generates (a colocated, synchronous loop). A session without ``share``, and ``forget``, make the loader copy
+what it shared into its own memory first (``unshare``).
 
 What is set up once, not per sync: the staging slots (allocated at the first sync, kept by the sender), their
 CUDA IPC mappings in the receiver (a ``cudaIpcOpenMemHandle`` / close pair and a fresh allocation per buffer
@@ -79,7 +84,7 @@ class ReceiverFailed(SyncError):
 class SyncReport:
     """What one sync did. Times are host wall-clock seconds; ``seconds`` ends after the checksum comparison."""
 
-    mode: str  # "pipelined" | "zero-copy" | "broadcast"
+    mode: str  # "pipelined" | "zero-copy" | "shared" | "broadcast"
     buckets: int
     nbytes: int
     seconds: float
@@ -171,12 +176,16 @@ class WeightSender:
                           ack_wait)
 
     def sync_flat(self, flat_buckets: Sequence[torch.Tensor], *, keep_mapped: bool = True,
-                  version: str | None = None) -> SyncReport:
+                  version: str | None = None, share: bool = False) -> SyncReport:
         """Zero-copy sync: ``flat_buckets[i]`` is a flat uint8 tensor already holding bucket ``i`` in the plan's
         layout (the trainer's parameters live in it); it is shared as is and nothing is packed. The receiver
         keeps the buffers mapped for the next sync (``keep_mapped``), or unmaps them when this one ends (for
         buffers made for one sync only: their memory is freed once the caller drops them). ``version``: as
-        ``sync``'s."""
+        ``sync``'s. ``share``: the receiver's loader takes the buffers as its weights (``TargetLoader``-style
+        ``share(flats, plan)``) and only checksums them; the caller must not write them until the next sync.
+        SyncError, naming the receiver's reason, if it could not (it copied them then, checked as usual)."""
+        if share and not keep_mapped:
+            raise ValueError("sync_flat: shared buffers stay the receiver's weights, so they must stay mapped")
         if len(flat_buckets) != len(self.plan.buckets):
             raise ValueError(f"sync_flat got {len(flat_buckets)} flat buckets, the plan has "
                              f"{len(self.plan.buckets)}")
@@ -187,7 +196,7 @@ class WeightSender:
         start = time.perf_counter()
         ready = self._fence("flat")
         ready.record()  # whatever wrote the parameters is ordered before every receiver read
-        self._begin(list(flat_buckets), ["flat"] * len(flat_buckets), num_done=0, keep=self._slots)
+        self._begin(list(flat_buckets), ["flat"] * len(flat_buckets), num_done=0, keep=self._slots, share=share)
         acc = self._accumulator()
         with self._aborting():
             for layout, flat in zip(self.plan.buckets, flat_buckets):
@@ -199,8 +208,12 @@ class WeightSender:
             indices = list(range(len(flat_buckets)))
             self._send("buckets", indices=indices, slots=indices)
             unmap = [] if keep_mapped else [buffer_key(f) for f in flat_buckets]
-            self._finish(len(flat_buckets), acks=False, unmap=unmap, version=version)
-        return SyncReport("zero-copy", len(flat_buckets), self.plan.nbytes, time.perf_counter() - start, 0.0)
+            got = self._finish(len(flat_buckets), acks=False, unmap=unmap, version=version)
+        if share and got.get("not_shared"):
+            raise SyncError(f"session {self.session}: the receiver did not take the buffers as its weights (it "
+                            f"copied them): {got['not_shared']}")
+        return SyncReport("shared" if share else "zero-copy", len(flat_buckets), self.plan.nbytes,
+                          time.perf_counter() - start, 0.0)
 
     def release(self) -> None:
         """Give back what this sender keeps between syncs: the receiver unmaps every buffer (staging slots,
@@ -252,9 +265,10 @@ class WeightSender:
             raise
 
     def _begin(self, buffers: list[torch.Tensor], fence_keys: list[str], *, num_done: int,
-               keep: list[torch.Tensor]):
+               keep: list[torch.Tensor], share: bool = False):
         """Start a session reading ``buffers`` (slot i after fence ``fence_keys[i]``); buffers in ``keep`` stay
-        mapped even when this session does not read them. Returns the receiver's done fences."""
+        mapped even when this session does not read them; ``share``: see ``sync_flat``. Returns the receiver's
+        done fences."""
         self.session = next(_SESSIONS)
         self._last_index = -1
         self._ended = False
@@ -271,7 +285,7 @@ class WeightSender:
         new_fences = {k: self._ready[k].handle() for k in dict.fromkeys(fence_keys) if k not in self._fences_sent}
         self._send("begin", open=open_, close=close, open_fences=new_fences, slots=keys, ready=fence_keys,
                    num_done=num_done, plan=None if self._plan_sent else self.plan, row_stride=self.row_stride,
-                   reset=self._reset)
+                   reset=self._reset, share=share)
         try:
             opened = self._expect("opened", "opening the staging buffers")
         except BaseException:
@@ -291,7 +305,8 @@ class WeightSender:
         return self._done
 
     def _finish(self, count: int, *, acks: bool, unmap: Sequence[tuple[int, int]] = (),
-                version: str | None = None) -> None:
+                version: str | None = None) -> dict:
+        """End the session, compare the checksums; the receiver's answer."""
         self._send("end", unmap=list(unmap), version=version)
         self._ended = True
         if acks:
@@ -312,6 +327,7 @@ class WeightSender:
         if version is not None and not got.get("published"):
             raise SyncError(f"session {self.session}: the receiver's loader has no publish_version, so weight "
                             f"version {version!r} was not published; publish it another way (version=None)")
+        return got
 
     def _await_done(self, index: int) -> None:
         while self._last_index < index:
@@ -380,6 +396,7 @@ class _Receiver:
                 self.senders[begin["sender"]] = _SenderState()
             state = self.senders[begin["sender"]]
             slots, ready, reuse, row_stride = self._open(state, session, begin)
+            not_shared = self._share(begin.get("share", False), slots, state.plan)
         except Exception:
             self.conn.send(("error", session, {"index": -1, "traceback": traceback.format_exc()}))
             _drain(self.conn, session)
@@ -402,7 +419,7 @@ class _Receiver:
                     except Exception:
                         self.conn.send(("error", session, {"index": -1, "traceback": traceback.format_exc()}))
                         return
-                self.conn.send(("checksums", session, {"indices": received, "sums": sums,
+                self.conn.send(("checksums", session, {"indices": received, "sums": sums, "not_shared": not_shared,
                                                        "published": version is not None and publish is not None}))
                 return
             indices, slot_numbers = ((payload["indices"], payload["slots"]) if kind == "buckets"
@@ -421,9 +438,24 @@ class _Receiver:
                     self.conn.send(("done", session, {"index": index}))
 
     def forget(self, sender: int) -> None:
-        """Drop everything of ``sender`` (its buffers are unmapped once the device is done with them)."""
+        """Drop everything of ``sender`` (its buffers are unmapped once the device is done with them); a loader
+        that shared them copies them first."""
+        self._share(False, [], None)
         self.transport.synchronize()
         self.senders.pop(sender, None)
+
+    def _share(self, wanted: bool, buffers: list[torch.Tensor], plan: WeightPlan | None) -> str | None:
+        """Offered (``wanted``): the loader takes ``buffers`` as its weights; None, or why it could not. Not
+        offered: a loader that shares anything takes its own copy back (the sender may write its buffers now)."""
+        if not wanted:
+            unshare = getattr(self.load, "unshare", None)
+            if unshare is not None:
+                unshare()
+            return None
+        share = getattr(self.load, "share", None)
+        if share is None:
+            return f"its loader ({type(self.load).__name__}) cannot take buffers as its weights"
+        return share(buffers, plan)
 
     def _open(self, state: _SenderState, session: int, begin: dict):
         _unmap(state, begin["close"])
@@ -476,7 +508,8 @@ def serve(conn, transport: Transport, load: Callable[[NamedViews], None]) -> Non
     A ``load`` with ``publish_version(version)`` gets the version a sync carries (``WeightSender.sync``'s
     ``version``) once that sync's buckets are loaded, before the checksums go back: the sender compares them after,
     and a mismatch raises there (the run stops with the engine's weights labelled but wrong); an exception from
-    ``publish_version`` fails the sync like one from ``load``.
+    ``publish_version`` fails the sync like one from ``load``. A ``load`` with ``share(flats, plan)`` (returning None,
+    or why not) and ``unshare()`` takes part in shared syncs (``WeightSender.sync_flat(share=True)``).
     """
     receiver = _Receiver(conn, transport, load)
     while True:
@@ -492,7 +525,11 @@ def serve(conn, transport: Transport, load: Callable[[NamedViews], None]) -> Non
             except EOFError:  # the sender went away mid-session
                 return
         elif kind == "forget":
-            receiver.forget(payload["sender"])
+            try:
+                receiver.forget(payload["sender"])
+            except Exception:  # noqa: BLE001 - e.g. no room to copy what the loader shared: the sender learns why
+                conn.send(("error", session, {"index": -1, "traceback": traceback.format_exc()}))
+                continue
             conn.send(("forgotten", session, {}))
         # anything else is a leftover of a failed session: ignore it
 

@@ -80,11 +80,15 @@ class TargetLoader:
     @torch.no_grad()
     def load_bucket(self, flat: torch.Tensor, layout: BucketLayout, acc: torch.Tensor, row_stride: int = 1) -> None:
         """Copy bucket ``layout`` out of the flat uint8 ``flat`` into the targets and add the bucket's checksum
-        (of all its bytes, loaded or skipped) to ``acc`` (``[LANES, 2]`` int64), in one pass."""
+        (of all its bytes, loaded or skipped) to ``acc`` (``[LANES, 2]`` int64), in one pass. A target that is a
+        view of its own bytes in ``flat`` (weights shared with the sender) is only checksummed."""
         if self.prepare is not None:
             self.prepare(layout.names)
         targets, mirrors = self._resolve(layout)
-        self.copier.unpack(flat, layout.nbytes, layout_spans(layout), targets, acc, row_stride)
+        spans = layout_spans(layout)
+        base = flat.data_ptr()  # a target that is its own source (shared weights) is checksummed, not copied
+        targets = [None if t is not None and t.data_ptr() == base + start else t for t, (start, _) in zip(targets, spans)]
+        self.copier.unpack(flat, layout.nbytes, spans, targets, acc, row_stride)
         if mirrors:
             torch._foreach_copy_([a for a, _ in mirrors], [s for _, s in mirrors])
 

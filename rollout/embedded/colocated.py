@@ -15,18 +15,47 @@ import threading
 
 import torch
 from redline.devices import device_scope
-from redline.sync.plan import BucketLayout
+from redline.sync.plan import BucketLayout, WeightPlan
 from redline.sync.receiver import TargetLoader, make_transport, receive_forever
 
 
 class EngineTargets(TargetLoader):
-    """``engine``: an ``EmbeddedEngine``. Strict: a bucket naming a tensor the engine lacks fails the sync."""
+    """``engine``: an ``EmbeddedEngine``. Strict: a bucket naming a tensor the engine lacks fails the sync.
+
+    ``share(flats, plan)``: the engine's parameters become views of the sender's flat buckets (the trainer's
+    compute buffer; ``WeightLoader.share``), so later syncs of those buffers only checksum them in place
+    (``TargetLoader.load_bucket`` skips targets that are their own source); ``unshare`` gives the engine its own
+    copy back."""
 
     def __init__(self, engine):
-        loader = engine.weights
-        targets = {name: tensor.narrow(0, offset, size) for name, (tensor, offset, size) in loader.slices.items()}
-        super().__init__(targets, prepare=loader.resume)
+        super().__init__(self._slice_views(engine.weights), prepare=engine.weights.resume)
         self.engine = engine
+
+    @staticmethod
+    def _slice_views(loader) -> dict[str, torch.Tensor]:
+        return {name: tensor.narrow(0, offset, size) for name, (tensor, offset, size) in loader.slices.items()}
+
+    def share(self, flats: list[torch.Tensor], plan: WeightPlan) -> str | None:
+        """Take the plan's buckets in ``flats`` (flat uint8, bucket i in ``flats[i]``) as the engine's weights,
+        or say why they cannot be (nothing changed then)."""
+        sources = {name: view for layout, flat in zip(plan.buckets, flats) for name, view in layout.views(flat)}
+        with self.engine.loading_weights() as weights:
+            before = [p.data_ptr() for p in self.engine.model.parameters()]
+            reason = weights.share(sources)
+            if reason is None and before != [p.data_ptr() for p in self.engine.model.parameters()]:
+                self._moved()
+        return reason
+
+    def unshare(self) -> None:
+        with self.engine.loading_weights() as weights:
+            if weights.shared:
+                weights.unshare()
+                self._moved()
+
+    def _moved(self) -> None:
+        """The parameters have new addresses: the engine's captured decode graph and our views are stale."""
+        self.engine.weights_moved()
+        self.targets = self._slice_views(self.engine.weights)
 
     def load_bucket(self, flat: torch.Tensor, layout: BucketLayout, acc: torch.Tensor, row_stride: int = 1) -> None:
         with self.engine.loading_weights():

@@ -142,6 +142,11 @@ class EmbeddedEngine:
         with self._lock:
             yield self.weights
 
+    def weights_moved(self) -> None:
+        """The parameters were re-pointed (``WeightLoader.share`` / ``unshare``; call inside ``loading_weights``):
+        the decode graph, which captured their addresses, is captured again at the next step."""
+        self._graph = None
+
     async def release_memory(self, tags) -> None:
         tags = check_tags(tags)
         await asyncio.to_thread(on_device, self.device, self._release, tags)

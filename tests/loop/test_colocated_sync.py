@@ -9,7 +9,7 @@ from redline.configfile import apply_overrides
 from redline.loop.builtin import materialize
 from redline.loop.step import rl_step
 from redline.loop.train import build, shutdown
-from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE
+from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE, SHARE_ENV
 from redline.rollout.embedded.weights import WeightLoader
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import ROW_BYTES
@@ -94,19 +94,43 @@ def test_a_corrupted_bucket_fails_the_push_naming_it(tmp_path, monkeypatch, chec
         shutdown(state)
 
 
+def write_trainer_weights_in_place(state) -> None:
+    """Flip the trainer's embedding rows in place, with no push."""
+    with torch.no_grad():
+        weight = state.worker.model.embed_tokens.weight
+        weight.copy_(torch.flip(weight, dims=[0]))
+
+
 @pytest.mark.slow
-def test_zero_copy_out_of_the_mixed_precision_trainers_flat_compute_buffer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("share", ["1", "0"])
+def test_zero_copy_out_of_the_mixed_precision_trainers_flat_compute_buffer(tmp_path, monkeypatch, share):
     """bf16 training keeps the compute weights in one flat buffer per dtype (fp32 master weights beside it): the
-    plan is ranges of that buffer, the engine copies straight out of it; a checksum that differs names the bucket."""
+    plan is ranges of that buffer. By default the engine process takes it as its weights (shared: each push only
+    checksums it in place); with REDLINE_SYNC_SHARE=0 it copies straight out of it. A checksum that differs names
+    the bucket."""
+    check_flat_buffer_sync(tmp_path, monkeypatch, share)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_engine_process_reads_the_trainers_weights_over_cuda_ipc(tmp_path, monkeypatch):
+    check_flat_buffer_sync(tmp_path, monkeypatch, "1")
+
+
+def check_flat_buffer_sync(tmp_path, monkeypatch, share: str) -> None:
+    monkeypatch.setenv(SHARE_ENV, share)
     state = built(tmp_path, embedded_engine_process="true", dtype="bfloat16", offload_rollout="true")
     try:
         sync = state.weight_sync
-        assert sync.mode == "zero-copy" and len(sync.plan.buckets) > 2
+        assert sync.mode == ("shared" if share == "1" else "zero-copy") and len(sync.plan.buckets) > 2
         buffer = state.worker.model.embed_tokens.weight.untyped_storage().data_ptr()
         assert all(f.untyped_storage().data_ptr() == buffer for f in sync.flat)  # the trainer's own storage
         metrics = [rl_step(state, i) for i in range(2)]
         assert_engine_holds_the_trainers_weights(state)
         assert all(m[k] > 0 for m in metrics for k in TRANSITION)
+        assert metrics[1]["train/rollout_logprob_abs_diff"] < 1e-2  # sampled with the trained (bf16) weights
+        write_trainer_weights_in_place(state)
+        held = held_by_engine(state)["model.embed_tokens.weight"]
+        assert torch.equal(held, state.worker.model.embed_tokens.weight.detach()) == (share == "1")
         unpack, calls = BucketCopier.unpack, []
 
         def wrong_sum(self, flat, nbytes, spans, tensors, acc, row_stride=1):  # the sender's checksum pass
@@ -125,6 +149,51 @@ def test_zero_copy_out_of_the_mixed_precision_trainers_flat_compute_buffer(tmp_p
         param.data = param.data.clone()  # out of the planned storage: zero-copy would read stale bytes
         with pytest.raises(SyncError, match="no longer live in the storage"):
             state.loop.run_until_complete(sync.push("9"))
+    finally:
+        shutdown(state)
+
+
+@pytest.mark.slow
+def test_a_closed_shared_sync_leaves_the_engine_its_own_copy(tmp_path):
+    """Closing the sync (the trainer no longer promises to leave its buffers alone) makes the engine process copy
+    what it shared: later writes of the trainer's weights do not reach it."""
+    state = built(tmp_path, embedded_engine_process="true", dtype="bfloat16")
+    try:
+        rl_step(state, 0)
+        assert state.weight_sync.mode == "shared"
+        state.loop.run_until_complete(state.weight_sync.close())
+        before = held_by_engine(state)["model.embed_tokens.weight"]
+        write_trainer_weights_in_place(state)
+        assert torch.equal(held_by_engine(state)["model.embed_tokens.weight"], before)
+    finally:
+        shutdown(state)
+
+
+def test_in_process_engine_uses_the_trainers_tensors(tmp_path):
+    """bf16 training, in-process engine: its parameters are the trainer's compute tensors (same addresses), each
+    push checks that and publishes the version; an engine parameter moved away is put back by the next push."""
+    check_in_process_sharing(tmp_path)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_in_process_engine_uses_the_trainers_tensors(tmp_path):
+    check_in_process_sharing(tmp_path)
+
+
+def check_in_process_sharing(tmp_path) -> None:
+    state = built(tmp_path, dtype="bfloat16", offload_rollout="true")
+    try:
+        sync, engine = state.weight_sync, state.engine
+        assert sync.mode == "shared" and "in place" in sync.describe()
+        metrics = [rl_step(state, i) for i in range(2)]
+        assert all(m[k] > 0 for m in metrics for k in TRANSITION)
+        trained = dict(state.worker.model.named_parameters())
+        assert all(p.data_ptr() == trained[n].data_ptr() for n, p in engine.model.named_parameters())
+        assert engine.weight_version == "2"
+        engine.weights.unshare()  # e.g. a load of other weights
+        assert engine.model.embed_tokens.weight.data_ptr() != trained["embed_tokens.weight"].data_ptr()
+        rl_step(state, 2)
+        assert engine.model.embed_tokens.weight.data_ptr() == trained["embed_tokens.weight"].data_ptr()
     finally:
         shutdown(state)
 

@@ -171,6 +171,20 @@ def test_zero_copy_sync_exports_flat_storage_without_packing():
         assert_targets_equal(targets, export)
 
 
+def test_a_shared_sync_into_a_loader_that_cannot_share_fails_naming_why():
+    """share=True asks the receiver to take the buffers as its weights; a loader without ``share`` copies them
+    (checked as usual) and the sender raises with the receiver's reason instead of carrying on unshared."""
+    export = qwen3_export(num_layers=2)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    targets = sync_procs.shared_zeros_like(export)
+    with connected(sync_procs.copy_receiver, targets, plan=plan) as sender:
+        with pytest.raises(SyncError, match="did not take the buffers as its weights.*TargetLoader"):
+            sender.sync_flat(flat_buckets(plan, export), share=True)
+        assert_targets_equal(targets, export)
+        with pytest.raises(ValueError, match="must stay mapped"):
+            sender.sync_flat(flat_buckets(plan, export), share=True, keep_mapped=False)
+
+
 def test_target_loader_names_a_tensor_the_receiver_lacks():
     loader = TargetLoader({"a": torch.zeros(2)})
     with pytest.raises(KeyError, match="'b'"):
