@@ -53,9 +53,13 @@ class EngineTargets(TargetLoader):
                 self._moved()
 
     def _moved(self) -> None:
-        """The parameters have new addresses: the engine's captured decode graph and our views are stale."""
+        """The parameters have new addresses: the engine's captured decode graph and our views are stale. Our
+        views were the last references to the storages the parameters left: their memory goes back to the GPU."""
         self.engine.weights_moved()
         self.targets = self._slice_views(self.engine.weights)
+        self._resolved.clear()
+        if self.engine.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def load_bucket(self, flat: torch.Tensor, layout: BucketLayout, acc: torch.Tensor, row_stride: int = 1) -> None:
         with self.engine.loading_weights():

@@ -79,7 +79,8 @@ class WeightLoader:
         """Make every parameter a view of the memory its HF tensors occupy in ``sources`` (``{hf_name: tensor}``,
         e.g. views of the trainer's flat compute buffer mapped into this process): a fused parameter's parts must
         lie back to back, in order, in one storage, with the parameter's dtype and shapes. The parameters' own
-        storages are dropped; release and resume leave shared parameters alone. Returns None once every parameter
+        storages are dropped (freed with the caller's last views of them); release and resume leave shared
+        parameters alone. Returns None once every parameter
         is such a view (at once when it already was: an identity check of every parameter's address), or why not,
         changing nothing. The caller owns the ordering: nothing may write ``sources`` while the engine reads them."""
         placed = []
@@ -112,8 +113,6 @@ class WeightLoader:
                 storage, start // tensor.element_size(), tensor.shape)
         self._storages, self._storage_of, self._released = {}, {}, {}
         self.shared = True
-        if self.model.embed_tokens.weight.is_cuda:
-            torch.cuda.empty_cache()  # the engine's own copy of the weights
         return None
 
     def unshare(self) -> None:

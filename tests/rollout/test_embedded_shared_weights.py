@@ -3,14 +3,18 @@
 leave them alone, a layout it cannot view changes nothing, and a load or ``unshare`` gives it its own copy back
 without writing the source."""
 
+import gc
+
 import pytest
 import torch
 from redline.rollout.embedded.colocated import EngineTargets
 from redline.rollout.embedded.engine import EmbeddedEngine
 from redline.rollout.embedded.weights import flatten_parameters
 from redline.rollout.types import GenerateRequest, SamplingParams
+from redline.sync.checksum import new_accumulator
 from redline.sync.zero_copy import plan_in_place
 from redline.trainer.models import from_pretrained
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .engine_runner import run
 
@@ -68,11 +72,16 @@ def test_shared_parameters_view_the_source_and_follow_its_writes(model_dir, flat
     assert written.output_ids != before.output_ids  # the engine reads the source's memory, not a copy
 
 
-def test_the_parameters_take_the_exact_addresses_of_the_sources_tensors(model_dir):
+def test_the_parameters_take_the_exact_addresses_of_the_sources_tensors_and_free_their_own(model_dir):
     source, plan, flats = trainer_like(model_dir)
-    engine = engine_for(model_dir)
+    engine = engine_for(model_dir, flat_weights=True)
     try:
-        assert EngineTargets(engine).share(flats, plan) is None
+        targets = EngineTargets(engine)
+        targets.load_bucket(flats[0], plan.buckets[0], new_accumulator(1, torch.device("cpu"))[0])  # caches views
+        own = StorageWeakRef(engine.model.embed_tokens.weight.untyped_storage())
+        assert targets.share(flats, plan) is None
+        gc.collect()
+        assert own.expired()  # no view of the engine's own copy is left anywhere
         held = dict(engine.model.named_parameters())
         for name, param in source.named_parameters():
             assert held[name].data_ptr() == param.data_ptr() and held[name].shape == param.shape, name
