@@ -70,13 +70,11 @@ class DataParallel:
 
     def from_model_leader(self, make):
         """``make()`` run by the leader of this model-parallel group (``holds_engine``), its picklable result
-        handed to the group's other ranks; without model parallelism, ``make()`` here."""
+        handed to the group's other ranks, or what it raises reported to them (``from_rank``); without model
+        parallelism, ``make()`` here."""
         if self.mp_group is None:
             return make()
-        box = [make() if self.holds_engine else None]
-        leader = dist.get_global_rank(self.mp_group, 0)
-        dist.broadcast_object_list(box, src=leader, group=self.mp_group, device=self.device)
-        return box[0]
+        return self.from_rank(make, dist.get_global_rank(self.mp_group, 0), group=self.mp_group)
 
     def any_process(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any process of the run (all of them call)."""
@@ -187,11 +185,12 @@ class DataParallel:
         """``make()`` run on rank 0 only, its result (picklable) handed to every rank (``from_rank``)."""
         return self.from_rank(make, 0)
 
-    def from_rank(self, make, src: int):
-        """``make()`` run on global rank ``src`` only, its result (picklable) handed to every rank (all of them
-        call). Whatever it raises is raised on ``src`` and reported on every other rank (``ValueError`` for a
-        ``ValueError``, ``ConfigError`` included; ``RuntimeError`` otherwise), so no rank waits for a result that
-        never comes."""
+    def from_rank(self, make, src: int, group=None):
+        """``make()`` run on global rank ``src`` only, its result (picklable) handed to every rank of ``group`` (a
+        process group holding ``src``; None: every process), all of which call. Whatever it raises is raised on
+        ``src`` and reported on every other rank (``ValueError`` for a ``ValueError``, ``ConfigError`` included;
+        ``RuntimeError`` otherwise, both naming ``src`` and the exception's type and text), so no rank waits for a
+        result that never comes."""
         if self.processes == 1:
             return make()
         box, error = [None, None], None
@@ -200,7 +199,7 @@ class DataParallel:
                 box[0] = make()
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
                 error, box[1] = exc, (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}")
-        dist.broadcast_object_list(box, src=src, device=self.device)
+        dist.broadcast_object_list(box, src=src, group=group, device=self.device)
         if error is not None:
             raise error
         if box[1] is not None:

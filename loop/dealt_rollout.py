@@ -8,9 +8,12 @@ colocated DP rank draws from its own ``DataSource`` shard — by ``DataParallel.
 model-parallel groups' leaders, and each leader hands its share to its group (``from_model_leader``); from there on
 the step is the colocated data-parallel one (log-probs and advantages on each rank's share, micro-batches dealt by
 token load). Rank 0's rollout metrics describe the whole batch: every rank gets them (the counts on rank 0 alone),
-so the step's data-parallel reduction leaves them as they are. The evaluation is rank 0's, over the whole eval set,
-its metrics handed to every process. Under ``--async-rollout one-step`` rank 0's schedule generates the batches
-and the dealing still runs in the step, on the main thread: its collectives never run beside the training's.
+so the step's data-parallel reduction leaves them as they are; they go out before the samples, and a rollout that
+raises on rank 0 (an engine, the reward, the data) is raised there and reported on every other rank instead
+(``DataParallel.from_rank``), none of them left waiting in the exchange. The evaluation is rank 0's, over the whole
+eval set, its metrics handed to every process. Under ``--async-rollout one-step`` rank 0's schedule generates the
+batches (a failed one raises when the step takes it, so here too) and the dealing still runs in the step, on the main
+thread: its collectives never run beside the training's.
 
 Every replica holds the same weights after the optimizer step, so only DP rank 0's model-parallel group pushes
 (``BroadcastWeightSync``, or ``ModelParallelBroadcastSync`` under TP/PP); every other DP rank's ``ReplicaWeightSync``
@@ -46,7 +49,9 @@ def rollout_shard(config, dp: DataParallel) -> DataParallel:
 def rollout_batch(state, rollout_id: int) -> tuple[list, dict[str, float]]:
     """This process's samples of rollout ``rollout_id`` and the rollout's metrics (collective: every process
     calls). Each model-parallel group's leader generates for its DP rank, or with dealt rollouts rank 0 generates
-    the whole batch and deals it out; the leader hands its share to its group."""
+    the whole batch and deals it out; the leader hands its share to its group. What the generation raises is
+    raised where it ran and reported on every other process of the collective (a ``RuntimeError`` naming the rank
+    and the exception; ``ValueError`` for a ``ValueError``)."""
     dp = state.dp
 
     def generate():
@@ -54,23 +59,31 @@ def rollout_batch(state, rollout_id: int) -> tuple[list, dict[str, float]]:
 
     if not deals_rollouts(state.config, dp):
         return dp.from_model_leader(generate)
-    return dp.from_model_leader(lambda: deal(dp, *(generate() if dp.is_main else ([], {}))))
+    return dp.from_model_leader(lambda: deal(dp, generate))
 
 
-def deal(dp: DataParallel, samples: list, metrics: dict[str, float]) -> tuple[list, dict[str, float]]:
-    """DP rank 0's whole batch (``samples`` in group order, ``metrics`` of the batch; the other ranks pass
-    ``([], {})``) dealt over the DP group: group ``k`` to DP rank ``k mod DP``, each rank's groups in batch order.
+def deal(dp: DataParallel, generate) -> tuple[list, dict[str, float]]:
+    """DP rank 0's whole batch, from ``generate()`` (called there alone: ``(samples in group order, metrics of
+    the batch)``), dealt over the DP group: group ``k`` to DP rank ``k mod DP``, each rank's groups in batch order.
     Every rank gets the metrics, with the counts (``COUNT_METRICS``, summed by ``reduce_metrics``) zero beyond DP
-    rank 0. Collective over ``dp.group``: in a model-parallel run, its leaders call it."""
+    rank 0. The metrics go out first, by ``DataParallel.from_rank``: whatever ``generate`` raises is raised on DP
+    rank 0 and reported on every other rank there, so none waits in the sample exchange for a batch that never
+    comes. Collective over ``dp.group``: in a model-parallel run, its leaders call it."""
+    samples = []  # DP rank 0's batch; the other ranks own no samples
+
+    def batch_metrics():
+        batch, metrics = generate()
+        samples.extend(batch)
+        return metrics
+
+    metrics = dp.from_rank(batch_metrics, dist.get_global_rank(dp.group, 0) if dp.group is not None else 0,
+                           group=dp.group)
     needed = [[] for _ in range(dp.world)]  # read on DP rank 0 alone, the only rank that owns samples
     groups = itertools.groupby(range(len(samples)), key=lambda i: samples[i].group_index)
     for k, (_, ids) in enumerate(groups):
         needed[k % dp.world].extend(ids)
     pool, _ = dp.exchange_samples(samples, {}, needed)
-    box = [metrics]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(dp.group, 0) if dp.group is not None else 0,
-                               group=dp.group, device=dp.device)
-    shared = box[0] if dp.rank == 0 else {k: 0.0 if k in COUNT_METRICS else v for k, v in box[0].items()}
+    shared = metrics if dp.rank == 0 else {k: 0.0 if k in COUNT_METRICS else v for k, v in metrics.items()}
     return [pool[i] for i in sorted(pool)], shared
 
 

@@ -88,7 +88,7 @@ def _engine(kind: str, model_dir, servers):
 
 
 def deal_rollout(rank, port, results):
-    """Two gloo DP ranks: rank 0 holds a batch of 4 groups of 2 samples and its metrics, rank 1 nothing;
+    """Two gloo DP ranks: rank 0 generates a batch of 4 groups of 2 samples and its metrics, rank 1 nothing;
     ``dealt_rollout.deal`` hands them out. ``results`` gets ``(rank, (group indices of its samples, sample
     indices, metrics))``."""
     from redline.loop.data_parallel import DataParallel
@@ -104,8 +104,51 @@ def deal_rollout(rank, port, results):
             samples = [Sample(prompt=f"p{g}", tokens=[g], group_index=g, index=2 * g + i)
                        for g in range(4) for i in range(2)]
             metrics = {"rollout/reward_mean": 0.375, "rollout/samples": 8.0, "rollout/dropped_groups": 1.0}
-        mine, shared = deal(dp, samples, metrics)
+        mine, shared = deal(dp, lambda: (samples, metrics))  # called on rank 0 alone
         results.put((rank, ([s.group_index for s in mine], [s.index for s in mine], shared)))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
+        results.put((rank, traceback.format_exc()))
+
+
+def failing_rollout(rank, port, world, timeout_s, all_reported, results):
+    """The step's rollout (``dealt_rollout.rollout_batch``) with dealt rollouts over ``world`` gloo ranks (2: DP=2;
+    4: DP=2 × TP=2), where rank 0's rollout raises ``KeyError('reward exploded')`` (a stand-in rollout manager:
+    a reward that fails). ``timeout_s``: the process group's timeout. Every rank keeps its process group until all
+    have reported (``all_reported``, a barrier), as a rank does while it shuts its engines down: a rank waiting for
+    a batch that never comes waits for the timeout, not for a closed connection. ``results`` gets ``(rank,
+    (exception type name, message, seconds in rollout_batch))``."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from redline.loop.data_parallel import DataParallel, model_parallel_group
+    from redline.loop.dealt_rollout import rollout_batch
+    from redline.trainer.parallel import ParallelConfig
+
+    class ExplodingRollout:
+        async def generate(self, rollout_id):
+            raise KeyError("reward exploded")
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        parallel = ParallelConfig(tp=world // 2, dp=2).build("cpu")
+        dp = DataParallel(rank=parallel.dp_rank, world=2, state=parallel,
+                          mp_group=model_parallel_group(parallel) if world > 2 else None)
+        state = SimpleNamespace(dp=dp, config=SimpleNamespace(parallel=SimpleNamespace(colocate=False)),
+                                loop=asyncio.new_event_loop(), rollout=ExplodingRollout())
+        began = time.perf_counter()
+        try:
+            rollout_batch(state, 0)
+            outcome = ("returned", "", time.perf_counter() - began)
+        except Exception as exc:  # noqa: BLE001 -- what each rank raises is the test's subject
+            outcome = (type(exc).__name__, str(exc), time.perf_counter() - began)
+        results.put((rank, outcome))
+        try:
+            all_reported.wait(timeout_s * 3)
+        except threading.BrokenBarrierError:  # a rank that never reported: its missing outcome fails the test
+            pass
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
         results.put((rank, traceback.format_exc()))

@@ -141,11 +141,11 @@ def test_from_main_reports_any_rank0_error_on_every_rank(monkeypatch):
         raise PermissionError("cannot create the output folder")
 
     sent = []
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, device: sent.append(list(box)))
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, group, device: sent.append(list(box)))
     with pytest.raises(PermissionError, match="cannot create the output folder"):
         DataParallel(rank=0, world=2).from_main(make)
 
-    def receive(box, src, device):
+    def receive(box, src, group, device):
         box[:] = sent[0]
 
     monkeypatch.setattr(dist, "broadcast_object_list", receive)

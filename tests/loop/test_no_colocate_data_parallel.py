@@ -3,7 +3,7 @@ whose groups are dealt to the DP ranks (group k to DP rank k mod DP); only DP ra
 DP=2 and DP=2 × TP=2 + SP take the single-process ``--no-colocate`` run's steps (same rewards and evals, the rest
 within 1e-3), the engine samples with the weights the trainer holds after every push (each push's bucket checksums
 compared on both sides), and a resume continues the same trajectory; so does a DP=2 ``--async-rollout one-step`` run,
-with the engines' clock rank 0's."""
+with the engines' clock rank 0's. A rollout that raises on rank 0 fails every rank at once, naming the error."""
 
 import multiprocessing as mp
 
@@ -31,6 +31,23 @@ def test_rank0s_batch_is_dealt_group_by_group_with_its_metrics():
     assert groups1 == [1, 1, 3, 3] and indices1 == [2, 3, 6, 7]
     assert metrics0 == {"rollout/reward_mean": 0.375, "rollout/samples": 8.0, "rollout/dropped_groups": 1.0}
     assert metrics1 == {"rollout/reward_mean": 0.375, "rollout/samples": 0.0, "rollout/dropped_groups": 0.0}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["dp2", "dp2-tp2"])
+def test_a_rollout_that_raises_on_rank0_fails_every_rank_at_once_naming_its_error(world):
+    """Rank 0 re-raises its own exception; every other rank raises at once naming rank 0 and the exception (a
+    DP=2 × TP=2 group's other rank through its leader), instead of waiting in the exchange until the process
+    group's timeout (30 s here) and failing on it."""
+    timeout_s = 30
+    all_reported = CTX.Barrier(world)
+    outcome = run_ranks(CTX, no_colocate_procs.failing_rollout, world,
+                        lambda rank, port: (rank, port, world, timeout_s, all_reported), 3 * timeout_s)
+    assert not any(isinstance(v, str) for v in outcome.values()), outcome
+    assert outcome[0][:2] == ("KeyError", "'reward exploded'")
+    for rank in range(1, world):
+        kind, message, _ = outcome[rank]
+        assert kind == "RuntimeError" and "on rank 0: KeyError: 'reward exploded'" in message, (rank, message)
+    assert all(seconds < timeout_s / 3 for _, _, seconds in outcome.values()), outcome
 
 
 @pytest.fixture(scope="module")
