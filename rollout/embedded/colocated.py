@@ -30,6 +30,7 @@ class EngineTargets(TargetLoader):
     def __init__(self, engine):
         super().__init__(self._slice_views(engine.weights), prepare=engine.weights.resume)
         self.engine = engine
+        self._shared_with = None  # (plan, the flats' addresses, [(parameter, its address)]) once shared
 
     @staticmethod
     def _slice_views(loader) -> dict[str, torch.Tensor]:
@@ -38,16 +39,31 @@ class EngineTargets(TargetLoader):
     def share(self, flats: list[torch.Tensor], plan: WeightPlan) -> str | None:
         """Take the plan's buckets in ``flats`` (flat uint8, bucket i in ``flats[i]``) as the engine's weights,
         or say why they cannot be (nothing changed then)."""
-        sources = {name: view for layout, flat in zip(plan.buckets, flats) for name, view in layout.views(flat)}
+        addresses = [(flat.data_ptr(), flat.numel()) for flat in flats]
         with self.engine.loading_weights() as weights:
-            before = [p.data_ptr() for p in self.engine.model.parameters()]
+            if self._still_shared(plan, addresses):  # every push after the first: an identity check only
+                return None
+            sources = {name: view for layout, flat in zip(plan.buckets, flats) for name, view in layout.views(flat)}
+            params = list(self.engine.model.parameters())
+            before = [p.data_ptr() for p in params]
             reason = weights.share(sources)
-            if reason is None and before != [p.data_ptr() for p in self.engine.model.parameters()]:
-                self._moved()
+            if reason is None:
+                if before != [p.data_ptr() for p in params]:
+                    self._moved()
+                self._shared_with = (plan, addresses, [(p, p.data_ptr()) for p in params])
         return reason
+
+    def _still_shared(self, plan: WeightPlan, addresses: list[tuple[int, int]]) -> bool:
+        """The parameters are still the views ``share`` made of these very buffers under this plan."""
+        if self._shared_with is None or not self.engine.weights.shared:
+            return False
+        shared_plan, shared_addresses, params = self._shared_with
+        return (shared_plan is plan or shared_plan == plan) and shared_addresses == addresses and all(
+            p.data_ptr() == address for p, address in params)
 
     def unshare(self) -> None:
         with self.engine.loading_weights() as weights:
+            self._shared_with = None
             if weights.shared:
                 weights.unshare()
                 self._moved()

@@ -130,7 +130,7 @@ def check_flat_buffer_sync(tmp_path, monkeypatch, share: str) -> None:
         assert metrics[1]["train/rollout_logprob_abs_diff"] < 1e-2  # sampled with the trained (bf16) weights
         write_trainer_weights_in_place(state)
         held = held_by_engine(state)["model.embed_tokens.weight"]
-        assert torch.equal(held, state.worker.model.embed_tokens.weight.detach()) == (share == "1")
+        assert torch.equal(held, state.worker.model.embed_tokens.weight.detach().cpu()) == (share == "1")
         unpack, calls = BucketCopier.unpack, []
 
         def wrong_sum(self, flat, nbytes, spans, tensors, acc, row_stride=1):  # the sender's checksum pass
@@ -214,6 +214,7 @@ def test_in_process_staged_push_is_checked(tmp_path, monkeypatch):
 
 
 def test_in_process_direct_copies_are_compared(tmp_path, monkeypatch):
+    monkeypatch.setenv(IN_PROCESS_ENV, "direct")  # the CPU's default; a GPU's is staged
     state = built(tmp_path)
     try:
         assert state.weight_sync.mode == "direct"
