@@ -381,10 +381,15 @@ class ScheduledRollout:
 
     def state_dict(self) -> dict:
         """The wrapped rollout's state, with every generated-and-untrained group first in the data source's
-        buffer (served first after a resume, finished samples as they are, the rest continued)."""
+        buffer (served first after a resume, finished samples as they are, the rest continued). Collective under
+        torchrun (a checkpoint's, on every process): rank 0's schedule alone generates, and a rollout of it that
+        failed ahead of the trainer is raised there and reported on every process (``DataParallel.from_main``)
+        instead of leaving them in the checkpoint's barrier."""
         state = self.schedule.rollout.state_dict()
-        untrained = [[dataclasses.asdict(s) for s in group] for group in self.schedule.untrained()]
-        state["data_source"]["buffer"] = untrained + state["data_source"]["buffer"]
+        untrained: list[list] = []  # rank 0's; the other processes' schedules generate nothing
+        self.schedule.state.dp.from_main(lambda: untrained.extend(self.schedule.untrained()))
+        state["data_source"]["buffer"] = ([[dataclasses.asdict(s) for s in group] for group in untrained]
+                                          + state["data_source"]["buffer"])
         return state
 
 

@@ -112,23 +112,62 @@ def deal_rollout(rank, port, results):
 
 
 def failing_rollout(rank, port, world, timeout_s, all_reported, results):
-    """The step's rollout (``dealt_rollout.rollout_batch``) with dealt rollouts over ``world`` gloo ranks (2: DP=2;
-    4: DP=2 × TP=2), where rank 0's rollout raises ``KeyError('reward exploded')`` (a stand-in rollout manager:
-    a reward that fails). ``timeout_s``: the process group's timeout. Every rank keeps its process group until all
-    have reported (``all_reported``, a barrier), as a rank does while it shuts its engines down: a rank waiting for
-    a batch that never comes waits for the timeout, not for a closed connection. ``results`` gets ``(rank,
-    (exception type name, message, seconds in rollout_batch))``."""
-    import threading
-    import time
+    """The step's rollout (``dealt_rollout.rollout_batch``) with dealt rollouts, where rank 0's rollout raises
+    ``KeyError('reward exploded')`` (a stand-in rollout manager: a reward that fails); ``_report_failure``'s
+    ranks and results."""
     from types import SimpleNamespace
 
-    from redline.loop.data_parallel import DataParallel, model_parallel_group
     from redline.loop.dealt_rollout import rollout_batch
-    from redline.trainer.parallel import ParallelConfig
 
     class ExplodingRollout:
         async def generate(self, rollout_id):
             raise KeyError("reward exploded")
+
+    def call(dp, loop):
+        state = SimpleNamespace(dp=dp, config=SimpleNamespace(parallel=SimpleNamespace(colocate=False)), loop=loop,
+                                rollout=ExplodingRollout())
+        rollout_batch(state, 0)
+
+    _report_failure(rank, port, world, timeout_s, all_reported, results, call)
+
+
+def failed_rollout_ahead_at_checkpoint(rank, port, world, timeout_s, all_reported, results):
+    """``--async-rollout one-step`` with dealt rollouts: rank 0's schedule holds the next rollout, which raised
+    ``KeyError('reward exploded')`` while the trainer trained, when a checkpoint takes the rollout's state
+    (``ScheduledRollout.state_dict``, on every rank) and saves; ``_report_failure``'s ranks and results."""
+    from types import SimpleNamespace
+
+    from redline.loop.async_schedule import OneStepOff
+
+    class Rollout:
+        def state_dict(self):
+            return {"data_source": {"buffer": []}}
+
+    def call(dp, loop):
+        config = SimpleNamespace(sync=SimpleNamespace(update_weights_interval=1),
+                                 rollout=SimpleNamespace(num_rollout=3), parallel=SimpleNamespace(colocate=False))
+        state = SimpleNamespace(dp=dp, config=config, loop=loop, rollout=Rollout(), weight_sync=None)
+        schedule = OneStepOff(state)  # puts its wrappers into ``state``
+        if dp.is_main:
+            schedule.pending = loop.create_future()
+            schedule.pending.set_exception(KeyError("reward exploded"))
+        state.rollout.state_dict()
+        dp.barrier()  # checkpoint.save's first collective
+
+    _report_failure(rank, port, world, timeout_s, all_reported, results, call)
+
+
+def _report_failure(rank, port, world, timeout_s, all_reported, results, call):
+    """``call(dp, event loop)`` on ``world`` gloo ranks (2: DP=2; 4: DP=2 × TP=2) whose process group times out
+    after ``timeout_s``. Every rank keeps its process group until all have reported (``all_reported``, a barrier),
+    as a rank does while it shuts its engines down: a rank waiting for a result that never comes waits for the
+    timeout, not for a closed connection. ``results`` gets ``(rank, (what ``call`` raised: type name, message,
+    seconds))``."""
+    import threading
+    import time
+
+    from redline.loop.data_parallel import DataParallel, model_parallel_group
+    from redline.trainer.parallel import ParallelConfig
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -136,11 +175,9 @@ def failing_rollout(rank, port, world, timeout_s, all_reported, results):
         parallel = ParallelConfig(tp=world // 2, dp=2).build("cpu")
         dp = DataParallel(rank=parallel.dp_rank, world=2, state=parallel,
                           mp_group=model_parallel_group(parallel) if world > 2 else None)
-        state = SimpleNamespace(dp=dp, config=SimpleNamespace(parallel=SimpleNamespace(colocate=False)),
-                                loop=asyncio.new_event_loop(), rollout=ExplodingRollout())
         began = time.perf_counter()
         try:
-            rollout_batch(state, 0)
+            call(dp, asyncio.new_event_loop())
             outcome = ("returned", "", time.perf_counter() - began)
         except Exception as exc:  # noqa: BLE001 -- what each rank raises is the test's subject
             outcome = (type(exc).__name__, str(exc), time.perf_counter() - began)

@@ -3,7 +3,8 @@ whose groups are dealt to the DP ranks (group k to DP rank k mod DP); only DP ra
 DP=2 and DP=2 × TP=2 + SP take the single-process ``--no-colocate`` run's steps (same rewards and evals, the rest
 within 1e-3), the engine samples with the weights the trainer holds after every push (each push's bucket checksums
 compared on both sides), and a resume continues the same trajectory; so does a DP=2 ``--async-rollout one-step`` run,
-with the engines' clock rank 0's. A rollout that raises on rank 0 fails every rank at once, naming the error."""
+with the engines' clock rank 0's. A rollout that raises on rank 0 (also one generated ahead under one-step,
+at a checkpoint) fails every rank at once, naming the error."""
 
 import multiprocessing as mp
 
@@ -33,15 +34,19 @@ def test_rank0s_batch_is_dealt_group_by_group_with_its_metrics():
     assert metrics1 == {"rollout/reward_mean": 0.375, "rollout/samples": 0.0, "rollout/dropped_groups": 0.0}
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["dp2", "dp2-tp2"])
-def test_a_rollout_that_raises_on_rank0_fails_every_rank_at_once_naming_its_error(world):
+@pytest.mark.parametrize("where, world", [("rollout", 2), ("rollout", 4), ("checkpoint", 2)],
+                         ids=["rollout-dp2", "rollout-dp2-tp2", "one-step-checkpoint-dp2"])
+def test_a_rollout_that_raises_on_rank0_fails_every_rank_at_once_naming_its_error(where, world):
     """Rank 0 re-raises its own exception; every other rank raises at once naming rank 0 and the exception (a
-    DP=2 × TP=2 group's other rank through its leader), instead of waiting in the exchange until the process
-    group's timeout (30 s here) and failing on it."""
+    DP=2 × TP=2 group's other rank through its leader), instead of waiting until the process group's timeout (30 s
+    here) and failing on it: in the step's rollout (the dealing's exchange), and with ``--async-rollout one-step``
+    at a checkpoint taken while the next rollout had failed (the checkpoint's barrier)."""
     timeout_s = 30
+    target = {"rollout": no_colocate_procs.failing_rollout,
+              "checkpoint": no_colocate_procs.failed_rollout_ahead_at_checkpoint}[where]
     all_reported = CTX.Barrier(world)
-    outcome = run_ranks(CTX, no_colocate_procs.failing_rollout, world,
-                        lambda rank, port: (rank, port, world, timeout_s, all_reported), 3 * timeout_s)
+    outcome = run_ranks(CTX, target, world, lambda rank, port: (rank, port, world, timeout_s, all_reported),
+                        3 * timeout_s)
     assert not any(isinstance(v, str) for v in outcome.values()), outcome
     assert outcome[0][:2] == ("KeyError", "'reward exploded'")
     for rank in range(1, world):
