@@ -71,6 +71,24 @@ def failing_once_receiver(conn, targets):
     receive_forever(conn, make_transport("shm"), load)
 
 
+class _FailingOpenTransport(SharedMemoryTransport):
+    """Cannot map the first buffer it is sent."""
+
+    def __init__(self):
+        self.failed = False
+
+    def open(self, handle):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("simulated mapping failure")
+        return super().open(handle)
+
+
+def failing_open_receiver(conn, targets):
+    """Fails to map the first buffer of its first session, then behaves."""
+    receive_forever(conn, _FailingOpenTransport(), TargetLoader(targets))
+
+
 def shared_zeros_like(named_tensors):
     """``{name: zeros}`` in shared memory, visible to the parent after the child writes them."""
     return {n: torch.zeros_like(t).share_memory_() for n, t in named_tensors}

@@ -171,6 +171,23 @@ def test_zero_copy_sync_exports_flat_storage_without_packing():
         assert_targets_equal(targets, export)
 
 
+@pytest.mark.parametrize("receiver,error", [(sync_procs.failing_open_receiver, "simulated mapping failure"),
+                                            (sync_procs.failing_once_receiver, "simulated load failure")])
+def test_a_zero_copy_sync_that_fails_in_the_receiver_is_reported_and_the_next_one_works(receiver, error):
+    """A zero-copy session reads the receiver's answer to its begin only after its last message (no round trip
+    in between): a failure to map or to load still raises with the receiver's traceback, and both sides start
+    the next session clean."""
+    export = qwen3_export(num_layers=3)
+    plan = plan_for(export, bucket_bytes=layer_bytes())
+    flats = flat_buckets(plan, export)
+    targets = sync_procs.shared_zeros_like(export)
+    with connected(receiver, targets, plan=plan) as sender:
+        with pytest.raises(ReceiverFailed, match=error):
+            sender.sync_flat(flats)
+        assert sender.sync_flat(flats).mode == "zero-copy"
+        assert_targets_equal(targets, export)
+
+
 def test_a_shared_sync_into_a_loader_that_cannot_share_fails_naming_why():
     """share=True asks the receiver to take the buffers as its weights; a loader without ``share`` copies them
     (checked as usual) and the sender raises with the receiver's reason instead of carrying on unshared."""
