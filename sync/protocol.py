@@ -150,7 +150,6 @@ class WeightSender:
         self._reset = True  # the first begin has the receiver set up this sender's state from nothing
         self._unmapped_some = False
         self._acc: torch.Tensor | None = None
-        self._opening = None  # (new fences, whether buffers were closed) of a begin whose answer is not read yet
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: str | None = None) -> SyncReport:
         """Pack and send the export ``named_tensors`` (plan order, see ``bucketize``), then check checksums.
@@ -197,10 +196,7 @@ class WeightSender:
         start = time.perf_counter()
         ready = self._fence("flat")
         ready.record()  # whatever wrote the parameters is ordered before every receiver read
-        # no done fences to wait for: the receiver's "opened" is read after the session's last message, so the
-        # two sides work through begin, buckets and end without a round trip in between
-        self._begin(list(flat_buckets), ["flat"] * len(flat_buckets), num_done=0, keep=self._slots, share=share,
-                    answer_later=True)
+        self._begin(list(flat_buckets), ["flat"] * len(flat_buckets), num_done=0, keep=self._slots, share=share)
         acc = self._accumulator()
         with self._aborting():
             for layout, flat in zip(self.plan.buckets, flat_buckets):
@@ -212,7 +208,7 @@ class WeightSender:
             indices = list(range(len(flat_buckets)))
             self._send("buckets", indices=indices, slots=indices)
             unmap = [] if keep_mapped else [buffer_key(f) for f in flat_buckets]
-            got = self._finish(len(flat_buckets), acks=False, unmap=unmap, version=version, opened_pending=True)
+            got = self._finish(len(flat_buckets), acks=False, unmap=unmap, version=version)
         if share and got.get("not_shared"):
             raise SyncError(f"session {self.session}: the receiver did not take the buffers as its weights (it "
                             f"copied them): {got['not_shared']}")
@@ -263,20 +259,16 @@ class WeightSender:
         try:
             yield
         except BaseException:
-            if self._opening is not None:  # failed before reading the begin's answer (``answer_later``)
-                self._opening = None
-                self._lose_track()
             if not self._ended:
                 with contextlib.suppress(Exception):
                     self.conn.send(("end", self.session, {"sender": self.sender_id}))
             raise
 
     def _begin(self, buffers: list[torch.Tensor], fence_keys: list[str], *, num_done: int,
-               keep: list[torch.Tensor], share: bool = False, answer_later: bool = False):
+               keep: list[torch.Tensor], share: bool = False):
         """Start a session reading ``buffers`` (slot i after fence ``fence_keys[i]``); buffers in ``keep`` stay
         mapped even when this session does not read them; ``share``: see ``sync_flat``. Returns the receiver's
-        done fences, or with ``answer_later`` (a session that needs none of them) nothing: the caller reads the
-        receiver's answer later (``_opened``)."""
+        done fences."""
         self.session = next(_SESSIONS)
         self._last_index = -1
         self._ended = False
@@ -294,17 +286,14 @@ class WeightSender:
         self._send("begin", open=open_, close=close, open_fences=new_fences, slots=keys, ready=fence_keys,
                    num_done=num_done, plan=None if self._plan_sent else self.plan, row_stride=self.row_stride,
                    reset=self._reset, share=share)
-        self._opening = (new_fences, bool(close))
-        if not answer_later:
-            return self._opened()
-
-    def _opened(self) -> list:
-        """The receiver's answer to this session's begin: its done fences (new ones opened here)."""
-        (new_fences, closed), self._opening = self._opening, None
         try:
             opened = self._expect("opened", "opening the staging buffers")
         except BaseException:
-            self._lose_track()
+            # Whatever the receiver mapped is unknown now: the next session starts from nothing on both sides.
+            self._mapped.clear()
+            self._fences_sent.clear()
+            self._done.clear()
+            self._plan_sent, self._reset = False, True
             raise
         self._fences_sent |= set(new_fences)
         self._plan_sent, self._reset = True, False
@@ -312,24 +301,14 @@ class WeightSender:
             if index != len(self._done):
                 raise SyncError(f"protocol error: the receiver sent done fence {index}, expected {len(self._done)}")
             self._done.append(self.transport.open_fence(handle))
-        self._unmapped_some = closed
+        self._unmapped_some = bool(close)
         return self._done
 
-    def _lose_track(self) -> None:
-        """Whatever the receiver mapped is unknown now: the next session starts from nothing on both sides."""
-        self._mapped.clear()
-        self._fences_sent.clear()
-        self._done.clear()
-        self._plan_sent, self._reset = False, True
-
     def _finish(self, count: int, *, acks: bool, unmap: Sequence[tuple[int, int]] = (),
-                version: str | None = None, opened_pending: bool = False) -> dict:
-        """End the session, compare the checksums; the receiver's answer. ``opened_pending``: the begin's answer
-        (``_begin(answer_later=True)``) is read first."""
+                version: str | None = None) -> dict:
+        """End the session, compare the checksums; the receiver's answer."""
         self._send("end", unmap=list(unmap), version=version)
         self._ended = True
-        if opened_pending:
-            self._opened()
         if acks:
             self._await_done(count - 1)  # acks the loop did not need come before the checksums
         got = self._expect("checksums", "finishing the sync")

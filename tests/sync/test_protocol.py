@@ -174,9 +174,8 @@ def test_zero_copy_sync_exports_flat_storage_without_packing():
 @pytest.mark.parametrize("receiver,error", [(sync_procs.failing_open_receiver, "simulated mapping failure"),
                                             (sync_procs.failing_once_receiver, "simulated load failure")])
 def test_a_zero_copy_sync_that_fails_in_the_receiver_is_reported_and_the_next_one_works(receiver, error):
-    """A zero-copy session reads the receiver's answer to its begin only after its last message (no round trip
-    in between): a failure to map or to load still raises with the receiver's traceback, and both sides start
-    the next session clean."""
+    """A failure to map or to load in a zero-copy session raises with the receiver's traceback, and both sides
+    start the next session clean."""
     export = qwen3_export(num_layers=3)
     plan = plan_for(export, bucket_bytes=layer_bytes())
     flats = flat_buckets(plan, export)
