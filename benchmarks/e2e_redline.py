@@ -16,8 +16,9 @@ PHASE_UTIL = {key.replace("perf/", "perf/gpu_util/").removesuffix("_time"): name
 
 
 def config_toml(workload: Workload, *, model_dir: Path, prompts: Path, engine: str, max_tokens_per_gpu: int,
-                sglang_mem_fraction: float, offload_rollout: bool) -> str:
-    """A ``redline train`` TOML running ``workload`` on ``engine`` (embedded or sglang), colocated."""
+                sglang_mem_fraction: float | None, offload_rollout: bool) -> str:
+    """A ``redline train`` TOML running ``workload`` on ``engine`` (embedded or sglang), colocated;
+    ``sglang_mem_fraction`` None leaves SGLang's share to the loop (``rollout_setup.sglang_mem_fraction``)."""
     sections = {
         "model": {"hf_checkpoint": str(model_dir), "backend": "bf16", "dtype": workload.dtype},
         "data": {"prompt_data": str(prompts), "label_key": "label", "rollout_max_prompt_len": workload.prompt_len,
@@ -36,7 +37,7 @@ def config_toml(workload: Workload, *, model_dir: Path, prompts: Path, engine: s
     lines = []
     for name, values in sections.items():
         lines.append(f"[{name}]")
-        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items() if value is not None]
         lines.append("")
     return "\n".join(lines)
 

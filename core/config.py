@@ -105,9 +105,11 @@ class RolloutConfig:
                                        "than N policy versions before the weights it trains; older samples are "
                                        "dropped and regenerated (rollout/stale_dropped); default: no bound")
     sglang_args: list[str] = option([], "extra SGLang server arguments, passed through")
-    sglang_mem_fraction_static: float = option(
-        0.5, "share of the GPU's memory SGLang takes for its weights and KV cache; the colocated trainer keeps "
-        "its weights, gradients and optimizer state resident beside it")
+    sglang_mem_fraction_static: float | None = option(
+        None, "share SGLang takes for its weights and KV cache of the GPU memory free when it starts (SGLang's "
+        "--mem-fraction-static); default: beside a trainer paused by --offload-train, all but a reserve for "
+        "SGLang's CUDA graphs and activations; beside a resident trainer 0.5; on GPUs of its own, SGLang's "
+        "default (redline.loop.rollout_setup.sglang_mem_fraction)")
     sglang_server_urls: list[str] = option([], "attach to running SGLang servers (http://host:port) on this host "
                                            "instead of launching one")
     embedded_engine_process: bool = option(False, "run the embedded engine in its own process (weights cross by "

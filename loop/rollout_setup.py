@@ -201,6 +201,37 @@ def decode_batch_bound(config, servers: int) -> int:
     return min(MAX_INFLIGHT, -(-requests // servers))
 
 
+SGLANG_RESERVE = 6 * 2**30  # SGLang's memory beyond its weights and KV cache: CUDA graphs and activations
+# (H100, Qwen3-4B, graphs for 512 requests: 1.52 GB prefill + 0.41 GB decode graphs, the rest for the activations
+# of 8192-token prefill chunks and 512-request decode steps; benchmarks/results/loop/sglang-colocated-h100)
+RESIDENT_TRAINER_FRACTION = 0.5  # the colocated default beside a trainer that stays resident
+
+
+def sglang_mem_fraction(config, device) -> float | None:
+    """``--mem-fraction-static`` for a launched server: the user's ``--sglang-mem-fraction-static``, else sized here.
+    SGLang's fraction is of the memory free when it starts, and it leaves the rest unused: its KV cache gets
+    ``fraction × free − weights``. Colocated with ``--offload-train`` the trainer is paused before the server starts
+    and stays so while it generates, so the server may take everything but ``SGLANG_RESERVE`` of what is free on
+    ``device`` as it launches; beside a resident trainer, whose use grows after the launch, 0.5; with
+    ``--no-colocate`` None: SGLang's own default for a GPU of its own."""
+    r = config.rollout
+    if r.sglang_mem_fraction_static is not None:
+        return r.sglang_mem_fraction_static
+    if not config.parallel.colocate:
+        return None
+    from redline.loop.train_offload import device_memory, offload_train_enabled
+
+    if not offload_train_enabled(config):
+        return RESIDENT_TRAINER_FRACTION
+    free_bytes = device_memory(device)[0]
+    if free_bytes <= 2 * SGLANG_RESERVE:
+        raise RuntimeError(f"only {free_bytes / 2**30:.1f} GiB of GPU memory is free beside the paused trainer; SGLang "
+                           f"needs {SGLANG_RESERVE / 2**30:.0f} GiB for its CUDA graphs and activations beyond its "
+                           "weights and KV cache: give --sglang-mem-fraction-static, or pause more of the trainer "
+                           "(--offload-train-optimizer host)")
+    return 1 - SGLANG_RESERVE / free_bytes
+
+
 def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):
     """SGLang launched from ``--hf-checkpoint`` — one server on the trainer's GPU, or with ``--no-colocate`` one
     server from each of ``gpus`` on — or attached to ``--sglang-server-urls``; each server with tensor-parallel
@@ -215,10 +246,13 @@ def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):
     r, tp_size = config.rollout, config.parallel.rollout_num_gpus_per_engine
     if r.sglang_server_urls:
         return SGLangEngine(list(r.sglang_server_urls), tp_size=tp_size)
-    args = list(r.sglang_args) + ["--mem-fraction-static", str(r.sglang_mem_fraction_static)]
+    args = list(r.sglang_args)
+    gpus = gpus if gpus is not None else [torch.cuda.current_device()]
+    fraction = sglang_mem_fraction(config, torch.device("cuda", gpus[0]))
+    if fraction is not None:
+        args += ["--mem-fraction-static", f"{fraction:.3f}"]
     if not any(a.split("=", 1)[0] in ("--dtype", "--sglang-dtype") for a in args):
         args += ["--dtype", config.model.dtype]  # the trainer's dtype: its buckets load without a cast
-    gpus = gpus if gpus is not None else [torch.cuda.current_device()]
     if not any(a.split("=", 1)[0] in CUDA_GRAPH_FLAGS for a in args):
         args += ["--cuda-graph-max-bs", str(decode_batch_bound(config, len(gpus)))]
 

@@ -311,6 +311,8 @@ def engine_memory(config, hf_config, dtype: torch.dtype, total_bytes: int) -> tu
     its own ``dtype`` copy of the weights plus its KV cache, fixed by the config (K and V of every layer for
     ``engine_rows`` rows × ``engine_seq_len`` slots and the scratch slot, as ``KVCache`` allocates it)."""
     from redline.loop.rollout_setup import (
+        RESIDENT_TRAINER_FRACTION,
+        SGLANG_RESERVE,
         engine_rows,
         engine_seq_len,
         model_context,
@@ -322,6 +324,10 @@ def engine_memory(config, hf_config, dtype: torch.dtype, total_bytes: int) -> tu
     headroom = f"{_size(ENGINE_HEADROOM)} headroom"
     if resolve_engine(config) == "sglang":
         fraction = config.rollout.sglang_mem_fraction_static
+        if fraction is None:  # the server takes what the paused trainer leaves (sglang_mem_fraction): at least this
+            return (int(RESIDENT_TRAINER_FRACTION * total_bytes) + ENGINE_HEADROOM,
+                    f"at least {RESIDENT_TRAINER_FRACTION:g} × {_size(total_bytes)} + {headroom} (SGLang then takes "
+                    f"all but {_size(SGLANG_RESERVE)} of what is free)")
         return (int(fraction * total_bytes) + ENGINE_HEADROOM,
                 f"--sglang-mem-fraction-static {fraction:g} × {_size(total_bytes)} + {headroom}")
     meta = DecoderModel(hf_config, layer_backend("bf16"), dtype=dtype, device="meta")  # sizes only, no memory

@@ -241,7 +241,7 @@ def check_engine(config) -> None:
     if not torch.cuda.is_available():
         raise ConfigError("--rollout-engine sglang needs a CUDA GPU (SGLang serves on GPUs and receives weights "
                           "by CUDA IPC); none is visible. Use --rollout-engine embedded on this machine")
-    if not 0 < r.sglang_mem_fraction_static < 1:
+    if r.sglang_mem_fraction_static is not None and not 0 < r.sglang_mem_fraction_static < 1:
         raise ConfigError(f"--sglang-mem-fraction-static must be between 0 and 1, got {r.sglang_mem_fraction_static}")
     for arg in r.sglang_args:
         if arg.split("=", 1)[0] in ("--mem-fraction-static", "--sglang-mem-fraction-static"):

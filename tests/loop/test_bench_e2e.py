@@ -79,6 +79,10 @@ def test_redline_config_is_the_workload(tmp_path):
     assert config.train.lr == 1e-6 and config.model.dtype == "bfloat16" and config.model.backend == "bf16"
     assert config.algo.advantage_estimator == "grpo" and config.sync.offload_rollout
     assert r.sglang_mem_fraction_static == 0.45 and config.data.rollout_max_prompt_len == 128
+    path.write_text(config_toml(workload, model_dir=tmp_path / "model", prompts=tmp_path / "p.jsonl",
+                                engine="sglang", max_tokens_per_gpu=16384, sglang_mem_fraction=None,
+                                offload_rollout=True))
+    assert load_toml(RunConfig, path).rollout.sglang_mem_fraction_static is None  # the loop's own sizing
 
 
 def test_redline_metrics_become_step_records(tmp_path):
