@@ -10,8 +10,8 @@
 #               of state do not fit beside an engine on 80 GB), 64 prompts x 8 samples x 1024-token responses,
 #               --no-offload-train, 2 steps: the KV cache SGLang gets when the trainer stays resident (its static
 #               share 0.45: what fits beside the resident trainer);
-# 4b            the same with --offload-train (the default plan; SGLang's share sized by the loop from what the
-#               paused trainer leaves), 10 steps: per-phase times, the KV cache, the transition against the sync
+# 4b            the same with --offload-train (the default plan; SGLang at its default share beside a paused
+#               trainer, 0.7), 10 steps: per-phase times, the KV cache, the transition against the sync
 #               alone (target <= 2x).
 # Each part adds its runs to OUTDIR/summary.md and summary.json. Needs SGLang 0.5.17 and redline's native library
 # (the script builds it). The 4B run takes ~20 min on an H100: run it detached where a command is time-limited.

@@ -107,9 +107,8 @@ class RolloutConfig:
     sglang_args: list[str] = option([], "extra SGLang server arguments, passed through")
     sglang_mem_fraction_static: float | None = option(
         None, "share SGLang takes for its weights and KV cache of the GPU memory free when it starts (SGLang's "
-        "--mem-fraction-static); default: beside a trainer paused by --offload-train, all but a reserve for "
-        "SGLang's CUDA graphs and activations; beside a resident trainer 0.5; on GPUs of its own, SGLang's "
-        "default (redline.loop.rollout_setup.sglang_mem_fraction)")
+        "--mem-fraction-static); default: 0.7 beside a trainer paused by --offload-train, 0.5 beside a resident "
+        "trainer, SGLang's own on GPUs of its own (redline.loop.rollout_setup.sglang_mem_fraction)")
     sglang_server_urls: list[str] = option([], "attach to running SGLang servers (http://host:port) on this host "
                                            "instead of launching one")
     embedded_engine_process: bool = option(False, "run the embedded engine in its own process (weights cross by "

@@ -201,35 +201,26 @@ def decode_batch_bound(config, servers: int) -> int:
     return min(MAX_INFLIGHT, -(-requests // servers))
 
 
-SGLANG_RESERVE = 6 * 2**30  # SGLang's memory beyond its weights and KV cache: CUDA graphs and activations
-# (H100, Qwen3-4B, graphs for 512 requests: 1.52 GB prefill + 0.41 GB decode graphs, the rest for the activations
-# of 8192-token prefill chunks and 512-request decode steps; benchmarks/results/loop/sglang-colocated-h100)
-RESIDENT_TRAINER_FRACTION = 0.5  # the colocated default beside a trainer that stays resident
+PAUSED_TRAINER_FRACTION = 0.7  # beside a trainer paused by --offload-train. H100, Qwen3-4B, 64 x 8 x 1024 tokens:
+# 0.7 ran 10 steps (KV cache 302,575 tokens); all but 6 GiB of the free memory (0.915) ran out of memory in the second
+# rollout (SGLang's activations and the trainer's growth after the launch need ~11 GiB beyond its CUDA graphs).
+# benchmarks/results/loop/sglang-colocated-h100/
+RESIDENT_TRAINER_FRACTION = 0.5  # beside a trainer that stays resident
 
 
-def sglang_mem_fraction(config, device) -> float | None:
-    """``--mem-fraction-static`` for a launched server: the user's ``--sglang-mem-fraction-static``, else sized here.
-    SGLang's fraction is of the memory free when it starts, and it leaves the rest unused: its KV cache gets
-    ``fraction × free − weights``. Colocated with ``--offload-train`` the trainer is paused before the server starts
-    and stays so while it generates, so the server may take everything but ``SGLANG_RESERVE`` of what is free on
-    ``device`` as it launches; beside a resident trainer, whose use grows after the launch, 0.5; with
-    ``--no-colocate`` None: SGLang's own default for a GPU of its own."""
+def sglang_mem_fraction(config) -> float | None:
+    """``--mem-fraction-static`` for a launched server (SGLang's share, for its weights and KV cache, of the GPU
+    memory free when it starts): the user's ``--sglang-mem-fraction-static``; else colocated beside a trainer paused
+    by ``--offload-train`` (the colocated SGLang default) ``PAUSED_TRAINER_FRACTION``, beside a resident trainer
+    ``RESIDENT_TRAINER_FRACTION``; with ``--no-colocate`` None: SGLang's own default for a GPU of its own."""
     r = config.rollout
     if r.sglang_mem_fraction_static is not None:
         return r.sglang_mem_fraction_static
     if not config.parallel.colocate:
         return None
-    from redline.loop.train_offload import device_memory, offload_train_enabled
+    from redline.loop.train_offload import offload_train_enabled
 
-    if not offload_train_enabled(config):
-        return RESIDENT_TRAINER_FRACTION
-    free_bytes = device_memory(device)[0]
-    if free_bytes <= 2 * SGLANG_RESERVE:
-        raise RuntimeError(f"only {free_bytes / 2**30:.1f} GiB of GPU memory is free beside the paused trainer; SGLang "
-                           f"needs {SGLANG_RESERVE / 2**30:.0f} GiB for its CUDA graphs and activations beyond its "
-                           "weights and KV cache: give --sglang-mem-fraction-static, or pause more of the trainer "
-                           "(--offload-train-optimizer host)")
-    return 1 - SGLANG_RESERVE / free_bytes
+    return PAUSED_TRAINER_FRACTION if offload_train_enabled(config) else RESIDENT_TRAINER_FRACTION
 
 
 def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):
@@ -247,12 +238,12 @@ def build_sglang_engine(config, *, log_dir, gpus=None, seat=None, attach=True):
     if r.sglang_server_urls:
         return SGLangEngine(list(r.sglang_server_urls), tp_size=tp_size)
     args = list(r.sglang_args)
-    gpus = gpus if gpus is not None else [torch.cuda.current_device()]
-    fraction = sglang_mem_fraction(config, torch.device("cuda", gpus[0]))
+    fraction = sglang_mem_fraction(config)
     if fraction is not None:
-        args += ["--mem-fraction-static", f"{fraction:.3f}"]
+        args += ["--mem-fraction-static", str(fraction)]
     if not any(a.split("=", 1)[0] in ("--dtype", "--sglang-dtype") for a in args):
         args += ["--dtype", config.model.dtype]  # the trainer's dtype: its buckets load without a cast
+    gpus = gpus if gpus is not None else [torch.cuda.current_device()]
     if not any(a.split("=", 1)[0] in CUDA_GRAPH_FLAGS for a in args):
         args += ["--cuda-graph-max-bs", str(decode_batch_bound(config, len(gpus)))]
 

@@ -306,30 +306,26 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def engine_memory(config, hf_config, dtype: torch.dtype, total_bytes: int) -> tuple[int, str]:
     """``(bytes, how)``: the GPU memory the colocated engine takes while it generates, ``ENGINE_HEADROOM``
-    included, and the parts it was found from (for the start-up line). SGLang: its static share,
-    ``--sglang-mem-fraction-static`` × ``total_bytes`` (the GPU's; its weights and KV cache). The embedded engine:
+    included, and the parts it was found from (for the start-up line). SGLang: its static share
+    (``rollout_setup.sglang_mem_fraction``) × ``total_bytes`` (the GPU's; its weights and KV cache). The embedded engine:
     its own ``dtype`` copy of the weights plus its KV cache, fixed by the config (K and V of every layer for
     ``engine_rows`` rows × ``engine_seq_len`` slots and the scratch slot, as ``KVCache`` allocates it)."""
     from redline.loop.rollout_setup import (
-        RESIDENT_TRAINER_FRACTION,
-        SGLANG_RESERVE,
         engine_rows,
         engine_seq_len,
         model_context,
         resolve_engine,
+        sglang_mem_fraction,
     )
     from redline.trainer.layers import layer_backend
     from redline.trainer.models.decoder import DecoderModel
 
     headroom = f"{_size(ENGINE_HEADROOM)} headroom"
     if resolve_engine(config) == "sglang":
-        fraction = config.rollout.sglang_mem_fraction_static
-        if fraction is None:  # the server takes what the paused trainer leaves (sglang_mem_fraction): at least this
-            return (int(RESIDENT_TRAINER_FRACTION * total_bytes) + ENGINE_HEADROOM,
-                    f"at least {RESIDENT_TRAINER_FRACTION:g} × {_size(total_bytes)} + {headroom} (SGLang then takes "
-                    f"all but {_size(SGLANG_RESERVE)} of what is free)")
+        fraction = sglang_mem_fraction(config)
+        given = "" if config.rollout.sglang_mem_fraction_static is not None else " (its default here)"
         return (int(fraction * total_bytes) + ENGINE_HEADROOM,
-                f"--sglang-mem-fraction-static {fraction:g} × {_size(total_bytes)} + {headroom}")
+                f"--sglang-mem-fraction-static {fraction:g}{given} × {_size(total_bytes)} + {headroom}")
     meta = DecoderModel(hf_config, layer_backend("bf16"), dtype=dtype, device="meta")  # sizes only, no memory
     weights = sum(p.numel() * p.element_size() for p in meta.parameters())
     rows, slots = engine_rows(config), engine_seq_len(config, model_context(hf_config))

@@ -145,34 +145,24 @@ def test_launched_sglang_captures_cuda_graphs_up_to_each_servers_share_of_the_ro
 
 def test_the_launched_servers_memory_fraction(monkeypatch, tmp_path):
     """--sglang-mem-fraction-static as given; otherwise SGLang's own default on GPUs of their own, 0.5 beside a
-    resident trainer, and beside a trainer paused by --offload-train all of the free memory but SGLang's reserve
-    (too little free is refused, naming the flags)."""
+    resident trainer and 0.7 beside a trainer paused by --offload-train."""
     import torch
-    from redline.loop import train_offload
 
     recorder = LaunchRecorder(monkeypatch)
-    free = [60 * 2**30]
-    monkeypatch.setattr(train_offload, "device_memory", lambda device: (free[0], 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(rollout_setup, "engine_devices", lambda c: [torch.device("cuda", 1)])
     common = dict(rollout_engine="sglang", hf_checkpoint=str(tmp_path))
-    paused = f"{1 - rollout_setup.SGLANG_RESERVE / free[0]:.3f}"
     for extra, expected in [({"colocate": "false", "rollout_num_gpus": "1"}, None),
                             ({"colocate": "false", "rollout_num_gpus": "1", "sglang_mem_fraction_static": "0.8"},
-                             "0.800"),
-                            ({"offload_train": "false"}, "0.500"),
-                            ({"offload_train": "true"}, paused),
-                            ({"offload_train": "true", "sglang_mem_fraction_static": "0.7"}, "0.700")]:
+                             "0.8"),
+                            ({"offload_train": "false"}, "0.5"),
+                            ({"offload_train": "true"}, "0.7"),
+                            ({"offload_train": "true", "sglang_mem_fraction_static": "0.6"}, "0.6")]:
         recorder.calls.clear()
         rollout_setup.build_engine(config(**common, **extra), None, device="cuda:0", dtype=None, log_dir=tmp_path)
         args = recorder.calls[0]["sglang_args"]
         fractions = [args[i + 1] for i, a in enumerate(args) if a == "--mem-fraction-static"]
         assert fractions == ([expected] if expected else []), (extra, args)
-    assert paused == "0.900"
-    free[0] = 10 * 2**30
-    with pytest.raises(RuntimeError, match="only 10.0 GiB .* give --sglang-mem-fraction-static"):
-        rollout_setup.build_engine(config(**common, offload_train="true"), None, device="cuda:0", dtype=None,
-                                   log_dir=tmp_path)
 
 
 def test_attached_servers_carry_the_engine_tp_size(tmp_path):

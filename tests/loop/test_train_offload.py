@@ -271,11 +271,11 @@ def test_sglangs_need_is_its_static_share_of_the_gpu_plus_headroom(tmp_path, mon
     need, how = engine_memory(config, bf16_model().hf_config, torch.bfloat16, 80 * GIB)
     assert need == 20 * GIB + ENGINE_HEADROOM
     assert how == "--sglang-mem-fraction-static 0.25 × 80.00 GiB + 1.00 GiB headroom"
-    # unset, the server takes what the paused trainer leaves: the optimizer stays on the GPU if half fits
-    need, how = engine_memory(offload_config(tmp_path), bf16_model().hf_config, torch.bfloat16, 80 * GIB)
-    assert need == 40 * GIB + ENGINE_HEADROOM
-    assert how == ("at least 0.5 × 80.00 GiB + 1.00 GiB headroom (SGLang then takes all but 6.00 GiB of what is "
-                   "free)")
+    # unset: the default beside the trainer --offload-train pauses
+    config = offload_config(tmp_path, offload_train="true")
+    need, how = engine_memory(config, bf16_model().hf_config, torch.bfloat16, 80 * GIB)
+    assert need == 56 * GIB + ENGINE_HEADROOM
+    assert how == "--sglang-mem-fraction-static 0.7 (its default here) × 80.00 GiB + 1.00 GiB headroom"
 
 
 def test_the_embedded_engines_need_is_its_weights_and_its_kv_cache_plus_headroom(tmp_path):
