@@ -304,8 +304,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--redline-args", default="", help="more `redline train` flags for the redline trainers, "
                     "one string (e.g. \"--no-offload-train\"); recorded with the settings")
     ap.add_argument("--sglang-mem-fraction", type=float, default=None, help="redline-sglang's static memory share "
-                    "(default: the loop's own, all but SGLang's reserve of what the trainer paused by --offload-train "
-                    "leaves free)")
+                    "(default: the loop's own, 0.7 beside the trainer --offload-train pauses)")
     ap.add_argument("--trl-micro-batch", type=int, default=8, help="TRL's per_device_train_batch_size")
     ap.add_argument("--trl-generation-batch-size", type=int, default=None,
                     help="TRL's generation_batch_size (default: TRL's, the whole step's prompts x samples)")

@@ -334,7 +334,9 @@ class WeightSync:
             try:
                 self.sender.release()
             except SyncError:  # the engine process is gone: its exit unmapped everything (and a run's own error wins)
-                pass
+                running = getattr(self.engine, "running", None)
+                if running is not None and running():  # it is not: it may still read our (shared) buffers
+                    raise
             self.sender = None
         if self.local is not None:
             self.local.release()

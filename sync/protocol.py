@@ -359,7 +359,8 @@ class WeightSender:
                 if not self._ended:
                     self._send("end")  # lets the receiver drain this session
                     self._ended = True
-                raise ReceiverFailed(f"the receiver failed on bucket {payload['index']}:\n{payload['traceback']}")
+                where = f"on bucket {payload['index']}" if payload["index"] >= 0 else f"while {doing}"
+                raise ReceiverFailed(f"the receiver failed {where}:\n{payload['traceback']}")
             if got != kind:
                 raise SyncError(f"protocol error: expected {kind!r} from the receiver, got {got!r}")
             return payload

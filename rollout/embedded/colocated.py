@@ -62,28 +62,41 @@ class EngineTargets(TargetLoader):
             p.data_ptr() == address for p, address in params)
 
     def unshare(self) -> None:
-        with self.engine.loading_weights() as weights:
+        """The engine's own copy of what it shares (``WeightLoader.unshare``); our views of the shared buffers go
+        too, also where a load already gave the engine its own copy. Nothing to do, and no lock taken (the weights
+        may be released), where nothing was shared."""
+        if self._shared_with is None and not self.engine.weights.shared:
+            return
+        with self.engine.between_steps():
             self._shared_with = None
-            if weights.shared:
-                weights.unshare()
-                self._moved()
+            if self.engine.weights.shared:
+                self.engine.weights.unshare()
+            self._moved()
 
     def _moved(self) -> None:
-        """The parameters have new addresses: the engine's captured decode graph and our views are stale. Our
-        views were the last references to the storages the parameters left: their memory goes back to the GPU."""
+        """The parameters have new addresses: the engine's captured decode graph and our views are stale (made
+        again at the next load). Our views were the last references to the storages the parameters left: their
+        memory goes back to the GPU."""
         self.engine.weights_moved()
-        self.targets = self._slice_views(self.engine.weights)
+        self.targets = {}
         self._resolved.clear()
         if self.engine.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def load_bucket(self, flat: torch.Tensor, layout: BucketLayout, acc: torch.Tensor, row_stride: int = 1) -> None:
         with self.engine.loading_weights():
+            self._view_parameters()
             super().load_bucket(flat, layout, acc, row_stride)
 
     def __call__(self, views) -> None:
         with self.engine.loading_weights():
+            self._view_parameters()
             super().__call__(views)
+
+    def _view_parameters(self) -> None:
+        """Our views of the parameters, made again after they moved (not before: released, they have no memory)."""
+        if not self.targets:
+            self.targets = self._slice_views(self.engine.weights)
 
     def publish_version(self, version: str) -> None:
         """The weight version a sync carries (``WeightSender.sync``'s ``version``), set once its buckets are in."""

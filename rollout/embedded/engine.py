@@ -129,9 +129,13 @@ class EmbeddedEngine:
 
     def load_weights(self, named_tensors, wait: bool = True) -> None:
         """Copy HF-named tensors into the model (fused QKV / gate-up slices included); blocks until copied
-        unless ``wait`` is False (``WeightLoader.load``)."""
+        unless ``wait`` is False (``WeightLoader.load``; weights shared with the trainer become the engine's own
+        copy first)."""
         with self.loading_weights() as weights:
+            shared = weights.shared
             weights.load(named_tensors, wait)
+            if shared:
+                self.weights_moved()
 
     @contextlib.contextmanager
     def loading_weights(self):
@@ -139,11 +143,17 @@ class EmbeddedEngine:
         receivers write the parameters inside it). EngineMemoryReleased while the weights are released."""
         if "weights" in self._released:
             raise EngineMemoryReleased("resume_memory({'weights'}) before loading weights")
-        with self._lock:
+        with self.between_steps():
             yield self.weights
 
+    @contextlib.contextmanager
+    def between_steps(self):
+        """No decode step or memory operation runs until the block ends (the weights may be released)."""
+        with self._lock:
+            yield
+
     def weights_moved(self) -> None:
-        """The parameters were re-pointed (``WeightLoader.share`` / ``unshare``; call inside ``loading_weights``):
+        """The parameters were re-pointed (``WeightLoader.share`` / ``unshare``; call inside ``between_steps``):
         the decode graph, which captured their addresses, is captured again at the next step."""
         self._graph = None
 

@@ -131,3 +131,43 @@ def test_a_load_or_unshare_takes_an_own_copy_and_never_writes_the_source(model_d
     assert loaded == (False, False)
     assert after_load.output_ids != shared.output_ids  # the load landed in the engine's own copy ...
     assert after_unshare.output_ids == shared.output_ids  # ... and unshare kept the source's values
+
+
+def test_after_a_load_gave_it_its_own_copy_an_unshared_sync_copies_again(model_dir):
+    """A load while shared re-points the parameters (the engine's graph and the sync's views are dropped), so a
+    later unshared sync out of the same buffers copies them instead of taking them for its own bytes."""
+    source, plan, flats = trainer_like(model_dir)
+    engine = engine_for(model_dir)
+    try:
+        targets = EngineTargets(engine)
+        targets.share(flats, plan)
+        zeros = [(name, torch.zeros(size, *tensor.shape[1:])) for name, (tensor, _, size) in
+                 engine.weights.slices.items()]
+        engine.load_weights(zeros)  # the engine protocol's load: a copy of its own first, then the zeros
+        assert not engine.weights.shared and engine.model.embed_tokens.weight.abs().sum() == 0
+        targets.unshare()
+        acc = new_accumulator(len(plan.buckets), torch.device("cpu"))
+        for layout, flat in zip(plan.buckets, flats):
+            targets.load_bucket(flat, layout, acc[layout.index])
+        assert torch.equal(engine.model.embed_tokens.weight, source.embed_tokens.weight)
+    finally:
+        run(engine, lambda e: e.health())
+
+
+def test_unsharing_an_engine_whose_weights_are_released_takes_no_lock_and_raises_nothing(model_dir):
+    """The receiver unshares at every unshared session and when its sender leaves; an engine that released its
+    weights (--offload-rollout) must let that pass, shared before or not."""
+    _, plan, flats = trainer_like(model_dir)
+
+    async def scenario(engine):
+        targets = EngineTargets(engine)
+        await engine.release_memory({"weights", "kv_cache"})
+        targets.unshare()  # never shared
+        await engine.resume_memory({"weights", "kv_cache"})
+        targets.share(flats, plan)
+        engine.load_weights([("model.norm.weight", torch.ones_like(engine.model.norm.weight))])
+        await engine.release_memory({"weights", "kv_cache"})
+        targets.unshare()  # shared, then a load gave it its own copy, then released
+        return engine.weights.shared
+
+    assert run(engine_for(model_dir), scenario) is False
