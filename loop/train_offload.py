@@ -308,8 +308,8 @@ def engine_memory(config, hf_config, dtype: torch.dtype, total_bytes: int) -> tu
     """``(bytes, how)``: the GPU memory the colocated engine takes while it generates, ``ENGINE_HEADROOM``
     included, and the parts it was found from (for the start-up line). SGLang: its static share
     (``rollout_setup.sglang_mem_fraction``; its weights and KV cache) × ``total_bytes``, the GPU's total memory
-    (SGLang takes the share of the memory free when it starts, so planning on the total errs on the safe side). The embedded engine:
-    its own ``dtype`` copy of the weights plus its KV cache, fixed by the config (K and V of every layer for
+    (SGLang takes the share of the memory free when it starts, so planning on the total errs on the safe side).
+    The embedded engine: its own ``dtype`` copy of the weights plus its KV cache, fixed by the config (K and V of every layer for
     ``engine_rows`` rows × ``engine_seq_len`` slots and the scratch slot, as ``KVCache`` allocates it)."""
     from redline.loop.rollout_setup import (
         engine_rows,

@@ -437,6 +437,18 @@ def check_offload_train(config) -> None:
         raise ConfigError(f"--offload-train{default}: {exc}") from None
 
 
+def check_sync_switches() -> None:
+    """The weight sync's environment switches (``REDLINE_SYNC_SHARE``, ``REDLINE_SYNC_ZERO_COPY``), before an engine
+    starts."""
+    from redline.loop.weight_sync import SHARE_ENV, ZERO_COPY_ENV, env_switch
+
+    for name in (SHARE_ENV, ZERO_COPY_ENV):
+        try:
+            env_switch(name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
 def validate(config, world_size: int = 1) -> None:
     """Every check that can fail before a model loads; raises ConfigError naming the flag or file.
     ``world_size``: the ``torchrun`` processes of the run (DP × TP × PP)."""
@@ -466,6 +478,7 @@ def validate(config, world_size: int = 1) -> None:
         check_load(config.checkpoint.load, layout_of(config, world_size))
     if config.sync.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
+    check_sync_switches()
     try:
         loss_config(config)
     except ValueError as exc:

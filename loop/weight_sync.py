@@ -53,6 +53,15 @@ SHARE_ENV = "REDLINE_SYNC_SHARE"
 CACHE_HEADROOM = 2**30  # bytes beyond the engine's own that must be free before the trainer's cache is left alone
 
 
+def env_switch(name: str) -> bool:
+    """An on/off environment variable of the sync (``1``, the default, or ``0``); anything else is refused, naming
+    the variable."""
+    value = os.environ.get(name, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def in_process_mode(device: torch.device) -> str:
     """``REDLINE_IN_PROCESS_SYNC``: ``direct`` (the engine copies the export, one copy, then the bytes are compared)
     or ``staged`` (pack + fused load, two copies, checksums in the same passes). Default: ``staged`` on a GPU, where
@@ -131,7 +140,7 @@ class WeightSync:
         self.train = train_offload  # redline.loop.train_offload.TrainOffload (--offload-train) or None
         if train_offload is not None:
             zero_copy = share_weights = False  # pausable memory cannot be exported over CUDA IPC
-        share_weights = share_weights and os.environ.get(SHARE_ENV, "1") != "0"
+        share_weights = share_weights and env_switch(SHARE_ENV)
         # the rank that makes the engine's memory calls: a seat's leader, or the only user of its own engine
         self.controls_engine = seat is None or seat.is_leader
         self.device = torch.device(device)
@@ -143,7 +152,7 @@ class WeightSync:
         self.sender = self.local = self.flat = self.targets = None
         if hasattr(engine, "weight_sender"):
             if zero_copy is None:
-                zero_copy = os.environ.get(ZERO_COPY_ENV, "1") != "0"
+                zero_copy = env_switch(ZERO_COPY_ENV)
             self._plan_in_place(bucket_bytes, zero_copy)
             self.sender = engine.weight_sender(self.plan, self.device, checksum_row_stride=self.row_stride)
             self.mode = "pipelined" if self.flat is None else "shared" if share_weights else "zero-copy"
@@ -348,11 +357,11 @@ class WeightSync:
                               f"{len(self.seat.ranks) if self.seat else 1}, this rank its TP rank "
                               f"{self.seat.engine_rank if self.seat else 0})",
                  "unchecked": "no check (this engine offers none)",
-                 "direct": f"sent vs held bytes, {rows}"}.get(self.mode, f"bucket checksums, {rows}")
-        if self.mode == "shared":
-            check = ("the engine reads the trainer's compute buffer in place, " +
-                     (f"checksummed there, {rows}" if self.sender is not None else
-                      "its parameters' addresses checked to be the trainer's tensors"))
+                 "direct": f"sent vs held bytes, {rows}",
+                 "shared": "the engine reads the trainer's compute buffer in place, " + (
+                     f"checksummed there, {rows}" if self.sender is not None else
+                     "its parameters' addresses checked to be the trainer's tensors"),
+                 }.get(self.mode, f"bucket checksums, {rows}")
         train = ""
         if self.train is not None:
             plan = self.train.plan or self.train.make_plan()  # the pause's own plan while paused

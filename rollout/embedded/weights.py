@@ -80,9 +80,8 @@ class WeightLoader:
         e.g. views of the trainer's flat compute buffer mapped into this process): a fused parameter's parts must
         lie back to back, in order, in one storage, with the parameter's dtype and shapes. The parameters' own
         storages are dropped (freed with the caller's last views of them); release and resume leave shared
-        parameters alone. Returns None once every parameter
-        is such a view (at once when it already was: an identity check of every parameter's address), or why not,
-        changing nothing. The caller owns the ordering: nothing may write ``sources`` while the engine reads them."""
+        parameters alone. Returns None once every parameter is such a view, or why not, changing nothing. The
+        caller owns the ordering: nothing may write ``sources`` while the engine reads them."""
         placed = []
         for tensor, names, offsets in self._parameters():
             first = sources.get(names[0])
@@ -106,8 +105,6 @@ class WeightLoader:
             if start % tensor.element_size() or start + tensor.numel() * tensor.element_size() > storage.nbytes():
                 return f"{names[0]!r} is not an aligned range of its source storage"
             placed.append((tensor, storage, start))
-        if self.shared and all(t.data_ptr() == s.data_ptr() + start for t, s, start in placed):
-            return None
         for tensor, storage, start in placed:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
                 storage, start // tensor.element_size(), tensor.shape)

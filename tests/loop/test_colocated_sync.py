@@ -5,11 +5,11 @@ phases are timed as ``perf/*`` metrics."""
 
 import pytest
 import torch
-from redline.configfile import apply_overrides
+from redline.configfile import ConfigError, apply_overrides
 from redline.loop.builtin import materialize
 from redline.loop.step import rl_step
 from redline.loop.train import build, shutdown
-from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE, SHARE_ENV
+from redline.loop.weight_sync import IN_PROCESS_ENV, SAMPLED_ROW_STRIDE, SHARE_ENV, ZERO_COPY_ENV
 from redline.rollout.embedded.weights import WeightLoader
 from redline.sync.bucket_copy import BucketCopier
 from redline.sync.checksum import ROW_BYTES
@@ -240,6 +240,17 @@ def test_an_unknown_in_process_mode_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(IN_PROCESS_ENV, "fast")
     with pytest.raises(ValueError, match=IN_PROCESS_ENV):
         built(tmp_path)
+
+
+@pytest.mark.parametrize("variable", [SHARE_ENV, ZERO_COPY_ENV])
+def test_a_sync_switch_other_than_0_or_1_is_refused_at_start_up_naming_it(tmp_path, monkeypatch, variable):
+    from redline.loop.validate import validate
+
+    monkeypatch.setenv(variable, "off")
+    config = small_config(tmp_path, embedded_engine_process="true")
+    config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
+    with pytest.raises(ConfigError, match=f"{variable} must be 0 or 1, got 'off'"):
+        validate(config)
 
 
 @pytest.mark.parametrize("free,emptied", [(10 * 2**30, False), (9 * 2**29, True)])
