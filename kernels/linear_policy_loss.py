@@ -6,29 +6,35 @@ Math: ``loss = policy_loss(logp, old_logp, advantages, mask, cfg=cfg, entropy=en
 The autograd backward only scales the gradients computed in the call by the upstream scalar, so no
 activations are kept. Two execution paths, the same results:
 
-one pass, 6·T·H·V FLOPs — token-level estimators (ppo, cispo; every aggregation). The loss is
-  ``Σ_t a_t·x_t`` where the aggregation weights ``a_t`` depend only on mask, cu_seqlens, agg and agg_constant
-  (``policy_loss_torch.aggregation_weights``, computed first) and ``x_t`` on token t alone, so
-  ``d loss/d logp_t = a_t·dx_t/d logp_t`` is known as soon as the token's logp is. Per token chunk
-  (``linear_policy_loss_triton`` / ``_cpu``): fp32 logits of the whole vocabulary into the workspace,
-  statistics → logp, entropy; ``dx/d logp`` from the policy-loss implementation itself, run on the chunk with a
-  plain-sum aggregation (``seq-mean-token-sum-norm`` with S = 1 and constant 1) and scaled by ``a_t``; then dz
-  from the kept logits, dHidden and dW. Afterwards the same implementation computes loss and metrics exactly
-  from the full ``[T]`` logp and entropy (cheap).
-two passes, 8·T·H·V FLOPs — gspo (whose per-sequence mean of logp − old_logp needs all of a sequence's logp
-  before any token's gradient is known), and token-level estimators where it is faster:
-  ``linear_logprobs.forward_impl`` (statistics, 2·T·H·V), the policy-loss implementation (loss, metrics,
-  per-token gradients), ``linear_logprobs.backward_impl`` (recomputed logits → dz → dHidden, dW; 6·T·H·V).
+one pass, 6·T·H·V FLOPs — every estimator and aggregation (gspo when each sequence fits in a token chunk). The
+  loss is ``Σ_t a_t·x_t`` where the aggregation weights ``a_t`` depend only on mask, cu_seqlens, agg and
+  agg_constant (``policy_loss_torch.aggregation_weights``, computed first) and are equal over a sequence's
+  selected tokens; ``x_t`` depends on token t alone (ppo, cispo) or on its sequence (gspo: the sequence's mean of
+  logp − old_logp). Per token chunk (``linear_policy_loss_triton`` / ``_cpu``): fp32 logits of the whole vocabulary
+  into the workspace, statistics → logp, entropy; then the chunk's ``d loss/d logp``: the policy-loss
+  implementation itself, run on the chunk's S_c sequences with ``seq-mean-token-sum`` (weight 1/S_c), times
+  ``a_t·S_c`` — exact as each ``x_u`` that token t moves lies in t's sequence, whose weight is ``a_t``. The
+  chunks (``lm_head_plan.token_chunk_bounds``) are cut every ``token chunk`` selected rows for ppo and cispo and
+  on sequence boundaries for gspo (as many whole sequences as fit; selected rows ascend, so a sequence's selected
+  tokens are contiguous among them). Then dz from the kept logits, dHidden and dW. Afterwards the same
+  implementation computes loss and metrics exactly from the full ``[T]`` logp and entropy (cheap).
+two passes, 8·T·H·V FLOPs — wherever they are faster, and gspo when a sequence has more selected tokens than a
+  token chunk holds: ``linear_logprobs.forward_impl`` (statistics, 2·T·H·V), the policy-loss implementation
+  (loss, metrics, per-token gradients), ``linear_logprobs.backward_impl`` (recomputed logits → dz → dHidden, dW;
+  6·T·H·V).
 
 Which path: ``one_pass=None`` asks the cost model (``lm_head_plan.choose_one_pass``). The one-pass path
 read-modify-writes dW once per token chunk and a chunk holds about ``workspace_bytes / (4·V)`` tokens, so it
-pays only with a large enough workspace. Measured on an H100 at H=4096, V=151936, T=16384 (bf16): one pass
-113.0 ms vs two passes 134.0 ms with the 1 GiB default, 160.5 vs 140.9 ms with 256 MiB (the model, which
-charges each chunk a fixed cost, picks two passes there); one pass 106.1 ms after the backward's scale kernel.
+pays only with a large enough workspace; for gspo the model counts the sequence-aligned chunks (at least
+⌈R / token chunk⌉, closer to it the shorter the sequences) and rules the path out when a sequence exceeds a chunk.
+Measured on an H100 at H=4096, V=151936, T=16384 (bf16): one pass 113.0 ms vs two passes 134.0 ms with the 1 GiB
+default, 160.5 vs 140.9 ms with 256 MiB (the model, which charges each chunk a fixed cost, picks two passes there);
+one pass 106.1 ms after the backward's scale kernel.
 Both paths work with tensor parallelism (the one-pass path all-reduces each chunk's statistics: 2 collectives
 per chunk; 1 more for dHidden at the end).
 """
 
+import bisect
 import dataclasses
 from typing import Optional
 
@@ -38,7 +44,7 @@ from . import linear_policy_loss_cpu
 from .backend import choose, import_triton_module
 from .linear_logprobs import (backend_for, backward_impl, check_inputs, forward_impl, gather_rows, scatter_rows,
                               selected_rows, vocab_offset)
-from .lm_head_plan import choose_one_pass, one_pass_plan
+from .lm_head_plan import choose_one_pass, max_chunk, one_pass_plan, one_pass_token_capacity, token_chunk_bounds
 from .loss_config import LossConfig, check_policy_loss_inputs
 from .policy_loss import CONFIG_FIELDS, _config
 from .policy_loss import _implementation as policy_loss_implementation
@@ -54,30 +60,47 @@ def _one_pass_backend(device: torch.device):
     return import_triton_module("linear_policy_loss_triton")
 
 
+def _sequence_bounds(mask, cu_seqlens, n_rows: int) -> list[int]:
+    """``[S+1]`` host ints: sequence i's selected tokens are the selected rows ``b[i]`` … ``b[i+1] − 1`` (one host
+    sync). The selected rows ascend and a sequence's tokens are contiguous, so its selected tokens are contiguous
+    among the selected rows; without ``cu_seqlens`` the batch is one sequence."""
+    if cu_seqlens is None:
+        return [0, n_rows]
+    selected_before = torch.nn.functional.pad(mask.cumsum(0), (1, 0))  # [T+1]: selected rows before each token
+    return selected_before[cu_seqlens.long()].tolist()
+
+
 def _plan(cfg: LossConfig, one_pass: Optional[bool], n_rows: int, hidden, weight, gather: bool, budget: int,
-          backend):
-    """The one-pass ``(token chunk, vocab chunk)``, or None for the two-pass path (``backend``: the logprobs
-    implementation module, whose alignment and fused GEMMs the plans follow)."""
+          backend, seq_bounds):
+    """The one-pass ``(token chunk boundaries, vocab chunk)``, or None for the two-pass path (``backend``: the
+    logprobs implementation module, whose alignment and fused GEMMs the plans follow). ``seq_bounds``: for gspo
+    the sequences' boundaries among the selected rows (``_sequence_bounds``): each chunk holds whole sequences."""
     shape = (n_rows, weight.shape[0], weight.shape[1], gather, hidden.element_size(), budget, backend.ALIGN,
              backend.fused_piece(hidden))
     if one_pass is None:
-        one_pass = cfg.estimator in TOKEN_LEVEL_ESTIMATORS and choose_one_pass(*shape)
-    elif one_pass and cfg.estimator not in TOKEN_LEVEL_ESTIMATORS:
-        raise ValueError(f"one_pass=True needs a token-level estimator {TOKEN_LEVEL_ESTIMATORS}; "
-                         f"{cfg.estimator!r} needs every token of a sequence before any gradient")
+        one_pass = choose_one_pass(*shape, seq_bounds)
     if not one_pass or n_rows == 0:  # nothing selected: the two-pass path returns zeros without any work
         return None
-    plan = one_pass_plan(*shape)
+    plan = one_pass_plan(*shape, seq_bounds)
     if plan is None:
-        raise ValueError(f"workspace_bytes={budget} cannot hold one token's logits and dz for one_pass=True")
-    return plan
+        capacity = one_pass_token_capacity(*shape)
+        if capacity == 0:
+            raise ValueError(f"workspace_bytes={budget} cannot hold one token's logits and dz for one_pass=True")
+        raise ValueError(f"one_pass=True with estimator {cfg.estimator!r} needs each sequence's selected tokens in "
+                         f"one token chunk, but the longest sequence has {max_chunk(seq_bounds)} and a chunk holds "
+                         f"at most {capacity} within workspace_bytes={budget}; raise workspace_bytes, or pass "
+                         f"one_pass=None to fall back to two passes")
+    return token_chunk_bounds(n_rows, plan[0], seq_bounds), plan[1]
 
 
 def _one_pass_loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_logp, rollout_logp,
-                             cu_seqlens, cfg: LossConfig, temperature: float, group, rows, plan):
+                             cu_seqlens, cfg: LossConfig, temperature: float, group, rows, chunks, vocab_chunk,
+                             seq_bounds):
     loss_fn = policy_loss_implementation(hidden.device)
-    # x_t's own gradient: the same implementation with a plain sum over the chunk (S = 1, divisor 1)
-    sum_cfg = dataclasses.replace(cfg, agg="seq-mean-token-sum-norm", agg_constant=1.0)
+    # A chunk's gradients: the same implementation on the chunk alone (its sequences, whole, with seq_bounds) with
+    # weight 1/S_c on each of its S_c sequences' tokens. Every aggregation weights all selected tokens of a
+    # sequence alike (a_t = a_u), so d loss/d logp_t = Σ_u a_u·dx_u/d logp_t = a_t·S_c·(the chunk's gradient).
+    chunk_cfg = dataclasses.replace(cfg, agg="seq-mean-token-sum", agg_constant=None)
     per_token = []
 
     def token_grads(t0: int, t1: int, logp, entropy):
@@ -85,19 +108,27 @@ def _one_pass_loss_and_grads(hidden, weight, targets, old_logp, advantages, mask
             per_token.extend(gather_rows(t, rows) for t in (
                 aggregation_weights(mask, cu_seqlens, cfg.agg, cfg.agg_constant), old_logp, advantages, ref_logp,
                 rollout_logp))
-            per_token.append(torch.ones(plan[0], dtype=torch.bool, device=hidden.device))
-        agg_weights, old, adv, ref, rollout, everyone = per_token
+            per_token.append(torch.ones(max_chunk(chunks), dtype=torch.bool, device=hidden.device))
+            per_token.append(None if seq_bounds is None else
+                             torch.tensor(seq_bounds, dtype=torch.int32, device=hidden.device))
+        agg_weights, old, adv, ref, rollout, everyone, bounds = per_token
 
         def part(t):
             return None if t is None else t[t0:t1]
 
-        _, _, dx, _ = loss_fn(logp, old[t0:t1], adv[t0:t1], everyone[:t1 - t0], cfg=sum_cfg, ref_logp=part(ref),
-                              rollout_logp=part(rollout), entropy=entropy, cu_seqlens=None)
+        chunk_cu, num_seqs = None, 1
+        if seq_bounds is not None:  # the chunk's sequences, from its first boundary t0 to its last t1
+            first, end = bisect.bisect_left(seq_bounds, t0), bisect.bisect_right(seq_bounds, t1)
+            chunk_cu, num_seqs = bounds[first:end] - t0, end - first - 1
+        _, _, dx, _ = loss_fn(logp, old[t0:t1], adv[t0:t1], everyone[:t1 - t0], cfg=chunk_cfg, ref_logp=part(ref),
+                              rollout_logp=part(rollout), entropy=entropy, cu_seqlens=chunk_cu)
         a = agg_weights[t0:t1]
-        return dx * a, (-cfg.entropy_coef * a if cfg.entropy_coef != 0 else None)
+        scale = a if num_seqs == 1 else a * num_seqs  # the chunk's loss weighted its sequences 1/S_c
+        return dx * scale, (-cfg.entropy_coef * a if cfg.entropy_coef != 0 else None)
 
     logp, entropy, d_hidden, d_weight = _one_pass_backend(hidden.device).one_pass(
-        hidden, weight, targets, rows, 1.0 / temperature, vocab_offset(weight, group), plan, token_grads, group)
+        hidden, weight, targets, rows, 1.0 / temperature, vocab_offset(weight, group), chunks, vocab_chunk,
+        token_grads, group)
     if group is not None:
         import torch.distributed as dist
 
@@ -119,10 +150,13 @@ def _loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_log
     budget = workspace_bytes or logprobs_backend.POLICY_LOSS_WORKSPACE_BYTES
     rows = selected_rows(mask)
     n_rows = hidden.shape[0] if rows is None else rows.numel()
-    plan = _plan(cfg, one_pass, n_rows, hidden, weight, rows is not None, budget, logprobs_backend)
+    seq_bounds = None  # gspo: each one-pass chunk holds whole sequences
+    if cfg.estimator not in TOKEN_LEVEL_ESTIMATORS and one_pass is not False:
+        seq_bounds = _sequence_bounds(mask, cu_seqlens, n_rows)
+    plan = _plan(cfg, one_pass, n_rows, hidden, weight, rows is not None, budget, logprobs_backend, seq_bounds)
     if plan is not None:
         return _one_pass_loss_and_grads(hidden, weight, targets, old_logp, advantages, mask, ref_logp, rollout_logp,
-                                        cu_seqlens, cfg, temperature, group, rows, plan)
+                                        cu_seqlens, cfg, temperature, group, rows, *plan, seq_bounds)
     logp, entropy, lse = forward_impl(hidden, weight, targets, mask, temperature, group, budget)
     # The loss implementation directly, not the redline::policy_loss op: a custom op called from inside this
     # one's implementation failed in torch 2.11's dispatcher ("vector::reserve").
@@ -223,8 +257,9 @@ def fused_linear_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets
 
     ``workspace_bytes``: the logits workspace, the memory this call uses beyond its inputs, the ``[T]``
     statistics and the two gradients (None: 1 GiB for CUDA tensors, 32 MiB on the CPU path). ``one_pass``:
-    None lets the cost model pick the path; True forces the one-pass path (ppo/cispo only; ValueError for gspo
-    or a workspace too small for one token's logits), False the two-pass path.
+    None lets the cost model pick the path; True forces the one-pass path (ValueError for a workspace too small
+    for one token's logits, or with gspo for a sequence with more selected tokens than a token chunk holds),
+    False the two-pass path.
     """
     check_inputs(hidden, weight, targets, mask, temperature)
     if not isinstance(cfg, LossConfig):

@@ -1,13 +1,14 @@
 """GPU path of the one-pass LM-head policy loss: 6·T·H·V FLOPs, the logits computed once.
 
-Per token chunk of at most ``token chunk`` selected rows (``lm_head_plan.one_pass_plan``):
+Per token chunk of at most ``token chunk`` selected rows (``lm_head_plan.one_pass_plan``; the chunks' boundaries
+from ``lm_head_plan.token_chunk_bounds``, whole sequences per chunk for gspo):
   1. cuBLAS writes the chunk's full-vocabulary logits ``h Wᵀ`` in fp32 into the workspace, one vocab chunk at a
      time (each vocab chunk a contiguous ``[rows, vocab chunk]`` block), and ``_stats_kernel`` folds each block
      into softmax statistics; ``combine`` (and with tensor parallelism an all-reduce of the statistics) gives the
      chunk's lse, logp, entropy;
   2. the caller's ``token_grads`` turns them into d loss/d logp and d loss/d entropy of those tokens — possible
-     now because a token-level estimator's gradient depends on the token alone (and on aggregation weights
-     known up front);
+     now because a token-level estimator's gradient depends on the token alone, gspo's on the token's sequence,
+     all of it in the chunk (and both on aggregation weights known up front);
   3. per vocab chunk, ``_dlogits_kernel`` reads the kept fp32 logits and writes dz in the input dtype, then
      cuBLAS does ``dh += dz W_v`` (fp32 accumulator) and ``dW_v (+)= dzᵀ h``.
 No atomics: dW is bitwise deterministic. dW is read-modify-written once per token chunk (``V·H·2·itemsize``
@@ -21,26 +22,30 @@ entropy and the loss, stay exact fp32, and with fp16 offsets dz carries their ro
 top of its own.
 """
 
+import itertools
+
 import torch
 import triton
 
 from .linear_logprobs_triton import _rows_of, chunk_gradients, chunk_stats, dz_from_logits, fused_gemm, store_rows
-from .lm_head_plan import round_up
+from .lm_head_plan import max_chunk, round_up
 from .vocab_stats import RowStats, all_reduce, combine, finalize
 
 
-def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, plan, token_grads, group=None):
+def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, chunks, vocab_chunk: int,
+             token_grads, group=None):
     """``(logp [R], entropy [R], d_hidden [T, H], d_weight [V, H])`` with the loss gradients of ``token_grads``.
 
     hidden ``[T, H]``, weight ``[V, H]`` (same dtype, contiguous; this rank's vocab shard with ``group``),
-    targets ``[T]`` int64 global ids, rows ``[R]`` int64 selected rows or None (all). ``plan``:
-    ``(token chunk, vocab chunk)``. ``token_grads(t0, t1, logp, entropy)`` gets the ``[t1 − t0]`` fp32 logp and
-    entropy of selected rows t0…t1−1 and returns their ``(d loss/d logp, d loss/d entropy or None)``, ``[t1 − t0]``
-    contiguous fp32. d_hidden is this rank's part (the caller sums it over ``group``); unselected rows get zero.
-    Workspace: ``token chunk·(kept + itemsize·vocab chunk + 4·H [+ itemsize·H with rows])`` bytes, kept = 4·V
+    targets ``[T]`` int64 global ids, rows ``[R]`` int64 selected rows or None (all). ``chunks``: the token
+    chunks' boundaries ``[0, …, R]`` among the selected rows (``lm_head_plan.token_chunk_bounds``),
+    ``vocab_chunk`` the plan's. ``token_grads(t0, t1, logp, entropy)`` gets the ``[t1 − t0]`` fp32 logp and
+    entropy of the chunk of selected rows t0…t1−1 and returns their ``(d loss/d logp, d loss/d entropy or
+    None)``, ``[t1 − t0]`` contiguous fp32. d_hidden is this rank's part (the caller sums it over ``group``);
+    unselected rows get zero. Workspace, with token chunk = the longest chunk:
+    ``token chunk·(kept + itemsize·vocab chunk + 4·H [+ itemsize·H with rows])`` bytes, kept = 4·V
     (fp32 logits) or, fused, 2·V plus the statistics pieces (``lm_head_plan._kept_bytes_per_token``).
     """
-    token_chunk, vocab_chunk = plan
     n_rows = hidden.shape[0] if rows is None else rows.numel()
     vocab, width = weight.shape
     device = hidden.device
@@ -50,7 +55,7 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
     d_hidden = torch.zeros_like(hidden) if rows is not None or n_rows == 0 else torch.empty_like(hidden)
     if n_rows == 0:
         return logp_out, entropy_out, d_hidden, d_weight
-    token_chunk = min(token_chunk, n_rows)
+    token_chunk = max_chunk(chunks)
     fused = fused_gemm(hidden, "stats")  # the kept offsets come with the statistics GEMM
     pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
     if fused:  # each logit kept as an offset from its statistics piece's max (rows padded for TMA)
@@ -61,10 +66,10 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
     dz_buffer = torch.empty(token_chunk * vocab_chunk, dtype=hidden.dtype, device=device)
     dh = torch.empty((token_chunk, width), dtype=torch.float32, device=device)
     parts = torch.empty((5, token_chunk, pieces), dtype=torch.float32, device=device)
-    for t0 in range(0, n_rows, token_chunk):
-        tc = min(token_chunk, n_rows - t0)
-        h = _rows_of(hidden, rows, t0, t0 + tc)
-        target = _rows_of(targets, rows, t0, t0 + tc) - vocab_offset
+    for t0, t1 in itertools.pairwise(chunks):
+        tc = t1 - t0
+        h = _rows_of(hidden, rows, t0, t1)
+        target = _rows_of(targets, rows, t0, t1) - vocab_offset
 
         def logits_block(v0: int, vc: int) -> torch.Tensor:
             return kept[tc * v0: tc * (v0 + vc)].view(tc, vc)
@@ -78,8 +83,8 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
         if group is not None:
             stats = all_reduce(stats, group)
         logp, entropy, lse = finalize(stats)
-        logp_out[t0:t0 + tc], entropy_out[t0:t0 + tc] = logp, entropy
-        g_lp, g_ent = token_grads(t0, t0 + tc, logp, entropy)
+        logp_out[t0:t1], entropy_out[t0:t1] = logp, entropy
+        g_lp, g_ent = token_grads(t0, t1, logp, entropy)
         row_values = (lse, entropy, g_lp, g_ent)
 
         def write_dz(v0: int, vc: int, dz: torch.Tensor) -> None:

@@ -3,8 +3,9 @@
 Three plans, each ``(token chunk, vocab chunk)`` within ``budget`` bytes of workspace:
   ``forward_plan``   two-pass forward: fp32 logits block → softmax statistics;
   ``backward_plan``  two-pass backward: recomputed fp32 logits block → dz → dHidden, dW;
-  ``one_pass_plan``  one pass (token-level policy losses): a token chunk's full-vocabulary fp32 logits stay in the
-                     workspace from the statistics to dz, so nothing is recomputed.
+  ``one_pass_plan``  one pass (the policy loss): a token chunk's full-vocabulary fp32 logits stay in the
+                     workspace from the statistics to dz, so nothing is recomputed; ``token_chunk_bounds`` cuts
+                     the rows into its chunks (whole sequences per chunk for a sequence-level loss).
 
 The cost model: GEMM FLOPs at ``PEAK_FLOPS`` plus, at ``HBM_BYTES_PER_S`` and with no overlap assumed, the
 HBM bytes a path moves besides the GEMMs' compute-bound operand streams — fp32 logits written and read back, dz
@@ -18,12 +19,15 @@ and a chunk holds only about ``budget / (4·V)`` tokens, so it pays only with a 
 (``choose_one_pass``), and each chunk has a fixed cost (``ONE_PASS_CHUNK_SECONDS``). Measured at the shape
 above (``benchmarks/results/lm_head/lm-head-policy-h100-run2``): one pass 160.5 ms vs two passes 140.9 at 256 MiB
 (384 tokens a chunk; model 160.2 vs 137.2), 113.0 vs 134.0 at 1 GiB (1472 tokens; model 114.5 vs 132.2); at
-T=4096, 53.0 vs 36.9 at 256 MiB and 30.1 vs 36.0 at 1 GiB. The model picks the faster path in all four.
+T=4096, 53.0 vs 36.9 at 256 MiB and 30.1 vs 36.0 at 1 GiB. The model picks the faster path in all four. For gspo
+(``seq_bounds``) the one-pass chunks hold whole sequences (``token_chunk_bounds``): the model counts those chunks
+and charges each as one of their mean length — the same terms, not fitted to a gspo measurement.
 
 Pure arithmetic, no Triton import: the CPU path takes the same decision (its own costs differ; it serves tests
 and small models).
 """
 
+import itertools
 import math
 
 PEAK_FLOPS = 750e12  # bf16 cuBLAS GEMMs of these shapes on an H100 (the three bare GEMMs: 717 TFLOP/s measured)
@@ -111,25 +115,30 @@ def _seconds(flops: float, hbm_bytes: float) -> float:
     return flops / PEAK_FLOPS + hbm_bytes / HBM_BYTES_PER_S
 
 
-def _weight_read_bytes(n_rows, vocab, width, itemsize, token_chunk) -> float:
+def _weight_read_bytes(n_rows, vocab, width, itemsize, token_chunk, token_chunks=None) -> float:
     """HBM bytes of one GEMM streaming the whole weight once per token chunk, as far as its FLOPs do not hide
     them: a chunk of M tokens does 2·M·H·V FLOPs per V·H·itemsize bytes, so from M ≈ 250 on (bf16, H100) the
     read costs nothing extra. Fitted: counting these reads in full overestimated the measured two-pass times
-    by 3–5 %, leaving them out matches them within 0.5 % (H=4096 and 8192, T=16384)."""
-    token_chunks = math.ceil(n_rows / token_chunk)
+    by 3–5 %, leaving them out matches them within 0.5 % (H=4096 and 8192, T=16384). ``token_chunks``: the
+    number of chunks when it is not ``⌈T / token chunk⌉`` (sequence-aligned chunks; ``token_chunk`` then their
+    mean length)."""
+    token_chunks = token_chunks or math.ceil(n_rows / token_chunk)
     read = vocab * width * itemsize / HBM_BYTES_PER_S
     hidden_by = 2 * token_chunk * width * vocab / PEAK_FLOPS
     return token_chunks * max(0.0, read - hidden_by) * HBM_BYTES_PER_S
 
 
-def _gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk) -> float:
+def _gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk, token_chunks=None) -> float:
     """HBM bytes of the logits → dHidden, dW GEMMs beyond the logits and dz: the weight read by the logits
     and dh GEMMs (``_weight_read_bytes``); per token chunk dW written (and read back when accumulating); per
-    vocab chunk the hidden rows read by the logits and dW GEMMs and the fp32 dh accumulator read-modify-written."""
-    token_chunks, vocab_chunks = math.ceil(n_rows / token_chunk), math.ceil(vocab / vocab_chunk)
+    vocab chunk the hidden rows read by the logits and dW GEMMs and the fp32 dh accumulator read-modify-written.
+    ``token_chunks`` as ``_weight_read_bytes``."""
+    token_chunks = token_chunks or math.ceil(n_rows / token_chunk)
+    vocab_chunks = math.ceil(vocab / vocab_chunk)
     weight = vocab * width * itemsize
     rows = n_rows * width
-    return (2 * _weight_read_bytes(n_rows, vocab, width, itemsize, token_chunk) + (2 * token_chunks - 1) * weight
+    return (2 * _weight_read_bytes(n_rows, vocab, width, itemsize, token_chunk, token_chunks)
+            + (2 * token_chunks - 1) * weight
             + 2 * vocab_chunks * rows * itemsize + (2 * vocab_chunks - 1) * rows * 4)
 
 
@@ -157,9 +166,49 @@ def _kept_bytes_per_token(vocab: int, itemsize: int, piece: int | None) -> int:
     return (2 if itemsize == 2 else 4) * round_up(vocab, 8) + 20 * _pieces(vocab, piece)
 
 
+def token_chunk_bounds(n_rows: int, token_chunk: int, seq_bounds=None) -> list[int] | None:
+    """Boundaries ``[0, …, n_rows]`` of the one-pass token chunks: chunk k holds rows ``bounds[k]`` to
+    ``bounds[k+1] − 1``, none empty, at most ``token_chunk`` rows each.
+
+    Without ``seq_bounds``: every ``token_chunk`` rows. ``seq_bounds``: the sequences' boundaries among the rows
+    (non-decreasing from 0 to ``n_rows``; empty sequences allowed); each chunk then holds as many whole sequences
+    as fit, filled in order — the fewest chunks any cut on sequence boundaries gives — or None when one sequence
+    alone is longer than ``token_chunk``.
+    """
+    if seq_bounds is None:
+        return list(range(0, n_rows, token_chunk)) + [n_rows]
+    bounds, last = [0], 0  # last: the latest sequence boundary, where the open chunk may end
+    for b in seq_bounds[1:]:
+        if b - bounds[-1] > token_chunk:
+            if b - last > token_chunk:
+                return None
+            bounds.append(last)
+        last = b
+    return bounds if bounds[-1] == n_rows else bounds + [n_rows]
+
+
+def max_chunk(bounds) -> int:
+    """Rows of the longest chunk of ``bounds`` (``token_chunk_bounds``), 0 with none: the workspace's size."""
+    return max((b - a for a, b in itertools.pairwise(bounds)), default=0)
+
+
+def _one_pass_candidates(n_rows, vocab, width, gather, itemsize, budget, align, piece):
+    """Each ``(token chunk, vocab chunk)`` the one-pass path can run within ``budget`` (see ``one_pass_plan``)."""
+    token_align = max(1, align // 4)
+    for vc in sorted({min(vocab, align << k) for k in range(64) if (align << k) < 2 * vocab}):
+        per_token = (_kept_bytes_per_token(vocab, itemsize, piece) + itemsize * vc
+                     + width * (4 + (2 * itemsize if gather else 0)))
+        fit = budget // per_token
+        tc = min(n_rows, fit // token_align * token_align if fit >= token_align else fit)
+        if tc > 0:
+            yield tc, vc
+
+
 def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int, align: int,
-                  piece: int | None = None):
-    """(token chunk, vocab chunk) of the one-pass path, or None when not even one token's logits fit.
+                  piece: int | None = None, seq_bounds=None):
+    """(token chunk, vocab chunk) of the one-pass path, or None when not even one token's logits fit — or, with
+    ``seq_bounds`` (``token_chunk_bounds``: chunks of whole sequences), when no token chunk holds the longest
+    sequence.
 
     Per token of a chunk: its full-vocabulary logits (``_kept_bytes_per_token``), one vocab chunk of dz in the
     input dtype, the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row and dh cast to the
@@ -167,42 +216,54 @@ def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: i
     align/4 (64 on the GPU); the vocab chunk (a multiple of align, or all of V) is the one the model rates
     fastest: longer ones cut the dh read-modify-writes, shorter ones leave room for more tokens.
     """
-    token_align = max(1, align // 4)
     best, best_seconds = None, math.inf
-    candidates = sorted({min(vocab, align << k) for k in range(64) if (align << k) < 2 * vocab})
-    for vc in candidates:
-        per_token = (_kept_bytes_per_token(vocab, itemsize, piece) + itemsize * vc
-                     + width * (4 + (2 * itemsize if gather else 0)))
-        fit = budget // per_token
-        tc = min(n_rows, fit // token_align * token_align if fit >= token_align else fit)
-        if tc <= 0:
-            continue
-        seconds = _one_pass_seconds(n_rows, vocab, width, itemsize, tc, vc, piece)
-        if seconds <= best_seconds:
+    for tc, vc in _one_pass_candidates(n_rows, vocab, width, gather, itemsize, budget, align, piece):
+        seconds = _one_pass_seconds(n_rows, vocab, width, itemsize, tc, vc, piece, seq_bounds)
+        if seconds <= best_seconds and seconds < math.inf:  # inf: a sequence longer than tc
             best, best_seconds = (tc, vc), seconds
     return best
 
 
-def _one_pass_seconds(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk, piece=None) -> float:
+def one_pass_token_capacity(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
+                            align: int, piece: int | None = None) -> int:
+    """The most rows one one-pass token chunk can hold within ``budget`` (0: not even one): the longest sequence
+    a sequence-level loss can take in one pass."""
+    return max((tc for tc, _ in _one_pass_candidates(n_rows, vocab, width, gather, itemsize, budget, align, piece)),
+               default=0)
+
+
+def _one_pass_seconds(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk, piece=None, seq_bounds=None) -> float:
+    """Modelled time of one plan; ``inf`` when ``seq_bounds`` do not fit its token chunk. With ``seq_bounds`` the
+    chunks are ``token_chunk_bounds``'s — more of them, holding fewer tokens on average, than ⌈T / token chunk⌉
+    — and each is charged as one of their mean length (dW read-modify-written, weight streamed, fixed cost per
+    chunk)."""
+    chunks = math.ceil(n_rows / token_chunk)
+    if seq_bounds is not None:
+        bounds = token_chunk_bounds(n_rows, token_chunk, seq_bounds)
+        if bounds is None:
+            return math.inf
+        chunks = len(bounds) - 1
+        token_chunk = n_rows / chunks
     # kept logits: fp32 written, read by the statistics and dz kernels (fused: fp16 written, read by dz); dz
     # written, read by 2 GEMMs
     kept = (4 if itemsize == 2 else 8) if piece else 12
-    hbm_bytes = (_gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk)
+    hbm_bytes = (_gradient_gemm_bytes(n_rows, vocab, width, itemsize, token_chunk, vocab_chunk, chunks)
                  + n_rows * vocab * (kept + 3 * itemsize))
-    chunks = math.ceil(n_rows / token_chunk)
     return _seconds(6 * n_rows * width * vocab, hbm_bytes) + chunks * ONE_PASS_CHUNK_SECONDS
 
 
 def one_pass_seconds(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
-                     align: int, piece: int | None = None) -> float:
-    """Modelled time of the one-pass path (6·T·H·V); ``inf`` when it does not fit the budget."""
-    plan = one_pass_plan(n_rows, vocab, width, gather, itemsize, budget, align, piece)
-    return math.inf if plan is None else _one_pass_seconds(n_rows, vocab, width, itemsize, *plan, piece)
+                     align: int, piece: int | None = None, seq_bounds=None) -> float:
+    """Modelled time of the one-pass path (6·T·H·V); ``inf`` when it does not fit the budget (with
+    ``seq_bounds``: when no token chunk holds the longest sequence)."""
+    plan = one_pass_plan(n_rows, vocab, width, gather, itemsize, budget, align, piece, seq_bounds)
+    return math.inf if plan is None else _one_pass_seconds(n_rows, vocab, width, itemsize, *plan, piece, seq_bounds)
 
 
 def choose_one_pass(n_rows: int, vocab: int, width: int, gather: bool, itemsize: int, budget: int,
-                    align: int, piece: int | None = None) -> bool:
+                    align: int, piece: int | None = None, seq_bounds=None) -> bool:
     """True when the model rates the one-pass path faster than forward + recompute backward (``piece``: both
-    with the fused GEMMs)."""
+    with the fused GEMMs). ``seq_bounds``: a sequence-level loss, whose one-pass chunks hold whole sequences
+    (``token_chunk_bounds``); False when a sequence is longer than any token chunk."""
     args = (n_rows, vocab, width, gather, itemsize, budget, align, piece)
-    return n_rows > 0 and one_pass_seconds(*args) < two_pass_seconds(*args)
+    return n_rows > 0 and one_pass_seconds(*args, seq_bounds) < two_pass_seconds(*args)

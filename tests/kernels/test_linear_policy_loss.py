@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from redline.kernels import LossConfig, fused_linear_policy_loss
-from redline.kernels.linear_policy_loss import TOKEN_LEVEL_ESTIMATORS
 from redline.kernels.reference import linear_policy_loss_reference
 from tests.kernels.policy_inputs import CU_SEQLENS, TEMPERATURE, make_inputs
 
@@ -25,12 +24,12 @@ def backend(request, monkeypatch):
     return request.param
 
 
-# "one-pass": forced for the token-level estimators (gspo has the two-pass path only); "two-pass": logits recomputed
+# "one-pass": forced (gspo's chunks hold whole sequences); "two-pass": logits recomputed
 @pytest.mark.parametrize("path", ["one-pass", "two-pass"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_loss_metrics_and_gradients_match_fp64_reference(backend, name, path):
     cfg = CONFIGS[name]
-    one_pass = path == "one-pass" and cfg.estimator in TOKEN_LEVEL_ESTIMATORS
+    one_pass = path == "one-pass"
     inputs = make_inputs()
     hidden = inputs["hidden"].clone().requires_grad_()
     weight = inputs["weight"].clone().requires_grad_()

@@ -4,7 +4,8 @@ Against the fp64 reference (loss, metrics, dHidden, dW) with a workspace of thre
 runs several token chunks and several vocab chunks. The CPU path covers ppo and cispo × every aggregation ×
 every KL type × every TIS mode; the Triton kernels (under the interpreter, ~1.5 s a call) cover each estimator ×
 aggregation with the KL types and TIS modes rotated through, every one of them met by both estimators — the
-per-token math itself is the policy-loss kernel's, tested config by config in test_policy_loss.py.
+per-token math itself is the policy-loss kernel's, tested config by config in test_policy_loss.py. gspo, whose
+chunks hold whole sequences: test_linear_policy_loss_gspo_one_pass.py.
 """
 
 import itertools
@@ -144,18 +145,6 @@ def test_unforced_call_takes_the_path_the_cost_model_picks(monkeypatch, model_sa
     monkeypatch.setattr(linear_policy_loss, "choose_one_pass", lambda *shape: model_says)
     cfg = make_config("ppo", "k2", None, "token-mean")
     assert _path_taken(monkeypatch, make_inputs(), cfg) == ("one pass" if model_says else "two passes")
-
-
-def test_gspo_runs_two_passes_even_where_the_cost_model_prefers_one(monkeypatch):
-    monkeypatch.setattr(linear_policy_loss, "choose_one_pass", lambda *shape: True)
-    cfg = LossConfig(estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4, kl_type="k1", kl_coef=0.02)
-    assert _path_taken(monkeypatch, make_inputs(), cfg) == "two passes"
-
-
-def test_one_pass_forced_for_gspo_raises_value_error():
-    inputs = make_inputs()
-    with pytest.raises(ValueError, match="one_pass"):
-        run(inputs, LossConfig(estimator="gspo"), one_pass=True)
 
 
 @pytest.mark.parametrize("workspace", [0, -5, 2.5, True])

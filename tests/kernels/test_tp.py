@@ -11,15 +11,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from redline.ports import free_port
 from redline.kernels import LossConfig, fused_linear_logprobs, fused_linear_policy_loss
+from redline.kernels.reference import linear_logprobs_reference
+from redline.ports import free_port
 
 T, H, V = 23, 16, 90  # V/2 = 45 columns per rank
 WORLD = 2
 TEMPERATURE = 0.9
 CFG = LossConfig(estimator="ppo", kl_type="k3", kl_coef=0.1, entropy_coef=0.01, agg="seq-mean-token-mean")
-CU_SEQLENS = torch.tensor([0, 9, 23], dtype=torch.int32)
-PATHS = {"policy_loss one pass": True, "policy_loss two passes": False}
+GSPO = LossConfig(estimator="gspo", eps_clip=0.2, eps_clip_high=0.28, kl_type="k3", kl_coef=0.1, entropy_coef=0.01,
+                  agg="seq-mean-token-mean")
+CU_SEQLENS = torch.tensor([0, 4, 9, 9, 16, 23], dtype=torch.int32)  # gspo: 3 chunks of whole sequences
+PATHS = {"policy_loss one pass": (CFG, True), "policy_loss two passes": (CFG, False),
+         "gspo one pass": (GSPO, True), "gspo two passes": (GSPO, False)}
 
 
 def inputs():
@@ -29,7 +33,9 @@ def inputs():
     targets = torch.randint(0, V, (T,), generator=gen)
     mask = torch.rand(T, generator=gen) > 0.2
     g = torch.randn(2, T, generator=gen)
-    old_logp = -torch.rand(T, generator=gen) * 5
+    # near the current log-probs: sequence ratios (gspo) near 1, on both sides of the clip bounds
+    logp = linear_logprobs_reference(hidden, weight, targets, temperature=TEMPERATURE)
+    old_logp = logp + torch.randn(T, generator=gen) * 0.3
     ref_logp = old_logp + torch.randn(T, generator=gen) * 0.1
     advantages = torch.randn(T, generator=gen)
     return hidden, weight, targets, mask, g, old_logp, ref_logp, advantages
@@ -43,10 +49,11 @@ def run_logprobs(hidden, weight, targets, mask, g, group=None):
     return logp.detach(), entropy.detach(), hidden.grad, weight.grad
 
 
-def run_policy_loss(hidden, weight, targets, mask, old_logp, ref_logp, advantages, group=None, one_pass=None):
+def run_policy_loss(hidden, weight, targets, mask, old_logp, ref_logp, advantages, path, group=None):
+    cfg, one_pass = PATHS[path]
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     # a workspace of a few tokens: several token chunks, each with its own all-reduce of the statistics
-    loss, metrics = fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, cfg=CFG,
+    loss, metrics = fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, cfg=cfg,
                                              temperature=TEMPERATURE, ref_logp=ref_logp, cu_seqlens=CU_SEQLENS,
                                              tp_group=group, one_pass=one_pass, workspace_bytes=4096)
     loss.backward()
@@ -60,9 +67,9 @@ def worker(rank, port, backend, result_dir):
         hidden, weight, targets, mask, g, old_logp, ref_logp, advantages = inputs()
         shard = weight.chunk(WORLD)[rank]
         results = {"logprobs": run_logprobs(hidden, shard, targets, mask, g, dist.group.WORLD)}
-        for path, one_pass in PATHS.items():
-            results[path] = run_policy_loss(hidden, shard, targets, mask, old_logp, ref_logp, advantages,
-                                            dist.group.WORLD, one_pass)
+        for path in PATHS:
+            results[path] = run_policy_loss(hidden, shard, targets, mask, old_logp, ref_logp, advantages, path,
+                                            dist.group.WORLD)
         torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -90,7 +97,7 @@ def test_logprobs_match_the_unsharded_op_on_every_rank(rank_results):
 def test_policy_loss_matches_the_unsharded_op_on_every_rank(rank_results, path):
     hidden, weight, targets, mask, _, old_logp, ref_logp, advantages = inputs()
     loss, entropy_metric, d_hidden, d_weight = run_policy_loss(hidden, weight, targets, mask, old_logp, ref_logp,
-                                                               advantages, one_pass=PATHS[path])
+                                                               advantages, path)
     for rank, results in enumerate(rank_results):
         tp_loss, tp_entropy_metric, tp_d_hidden, tp_d_weight = results[path]
         torch.testing.assert_close(tp_loss, loss, rtol=1e-5, atol=1e-6)
