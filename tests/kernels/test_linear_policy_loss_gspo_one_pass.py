@@ -124,6 +124,25 @@ def test_triton_gspo_one_pass_matches_two_passes_and_fp64_reference(monkeypatch,
     assert_matches_two_passes_and_reference(make_inputs(masked, seed=2), cfg, monkeypatch, "triton")
 
 
+@pytest.mark.parametrize("agg,masked", [("seq-mean-token-mean", True), ("token-mean", False)])
+def test_fused_gemm_gspo_one_pass_matches_the_cublas_one_pass(monkeypatch, agg, masked):
+    """REDLINE_LM_HEAD_GEMM=triton (statistics from the GEMM, logits kept as offsets: more bytes a token at fp32,
+    so a larger workspace for the same sequence chunks); loss and metrics exact, gradients within the offsets'
+    rounding (test_linear_policy_loss_one_pass.py's bounds)."""
+    monkeypatch.setenv("REDLINE_KERNELS_BACKEND", "triton")
+    inputs, cfg = make_inputs(masked, seed=2), make_config(agg, 1)
+    chunks = recorded_chunks(monkeypatch)
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
+    fused = run(inputs, cfg, one_pass=True, workspace_bytes=9000)
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "cublas")
+    unfused = run(inputs, cfg, one_pass=True, workspace_bytes=9000)
+    assert len(chunks) == 2 and len(chunks[0]) > 3  # one pass both times, several chunks
+    for got, want, name in [(fused[0], unfused[0], "loss")] + [(fused[1][k], v, k) for k, v in unfused[1].items()]:
+        assert abs(got.item() - want.item()) <= 1e-6 * max(1.0, abs(want.item())), name
+    for got, want in zip(fused[2:], unfused[2:]):
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
 def test_without_cu_seqlens_the_batch_is_one_sequence_in_one_chunk(monkeypatch):
     monkeypatch.setenv("REDLINE_KERNELS_BACKEND", "torch")
     inputs, cfg = make_inputs(True, seed=3), make_config("seq-mean-token-mean", 1)
