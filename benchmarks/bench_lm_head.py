@@ -3,7 +3,8 @@
 Providers side by side in one run (issue 3, "Benchmarks"): redline ``fused_linear_logprobs`` as it runs by
 default (``REDLINE_LM_HEAD_GEMM=auto``) and with each GEMM choice forced (``cublas``: cuBLAS GEMMs + Triton
 epilogues; ``triton``: Triton GEMMs with the softmax statistics and dz in their epilogues; ``triton-dz``: the
-backward's dz GEMM alone); bare cuBLAS ``[T,H]×[H,V]`` logits +
+backward's dz GEMM alone; ``cute`` / ``cute-dz``: the same with QuACK's warp-specialised CuTe-DSL GEMMs);
+bare cuBLAS ``[T,H]×[H,V]`` logits +
 dHidden + dW GEMMs (the ceiling without a recompute; baseline of every group); eager PyTorch with fp32 logits
 (slime's method); ``torch.compile`` of that eager function; Liger-Kernel (Triton FLCE ``reduction="none"``,
 fused scaled CE with entropy); cut-cross-entropy (``reduction="none"``).
@@ -11,7 +12,9 @@ Liger and CCE run only where they are installed (``python3 ../shared/device/stag
 
 The policy-loss groups (a GRPO step from hidden states) compare ``fused_linear_policy_loss`` — the default
 call and each of its paths forced at 256 MiB and 1 GiB of workspace — with ``torch.compile`` of the eager
-reference, ``LigerFusedLinearGRPOLoss`` and the same cuBLAS baseline.
+reference, ``LigerFusedLinearGRPOLoss`` and the same cuBLAS baseline. Beside them, two scalar losses whose
+gradients are known in the forward: QuACK's ``chunked_linear_cross_entropy`` (sum reduction, no entropy or
+temperature; the fastest LM-head anchor) and ``fused_linear_logprobs`` under a scalar upstream (``−logp.sum()``).
 
 Recorded per provider: ms (median), ``flops`` = 8·T·H·V (fwd+bwd with recompute; forward groups 2·T·H·V;
 redline's one-pass policy-loss rows 6·T·H·V, the work they do), peak memory beyond the inputs (outputs and
@@ -84,7 +87,19 @@ _compiled_logprobs = torch.compile(_eager_logprobs, dynamic=False)
 CUBLAS_GEMMS = "redline fused_linear_logprobs, cuBLAS GEMMs"
 FUSED_GEMMS = "redline fused_linear_logprobs, Triton GEMMs with epilogues"
 FUSED_DZ = "redline fused_linear_logprobs, Triton dz GEMM in backward"
-GEMM_CHOICE = {CUBLAS_GEMMS: "cublas", FUSED_GEMMS: "triton", FUSED_DZ: "triton-dz"}
+CUTE_GEMMS = "redline fused_linear_logprobs, CuTe GEMMs with epilogues"
+CUTE_DZ = "redline fused_linear_logprobs, CuTe dz GEMM in backward"
+GEMM_CHOICE = {CUBLAS_GEMMS: "cublas", FUSED_GEMMS: "triton", FUSED_DZ: "triton-dz", CUTE_GEMMS: "cute",
+               CUTE_DZ: "cute-dz"}
+
+
+def _set_gemm(monkeypatch, provider: str, choice: str) -> None:
+    """REDLINE_LM_HEAD_GEMM=choice for this benchmark; skips a CuTe choice where QuACK is not installed."""
+    import importlib.util
+
+    if choice.startswith("cute") and importlib.util.find_spec("quack") is None:
+        pytest.skip(f"{provider}: QuACK (quack-kernels) is not installed here (stage it with stage.py anchors)")
+    monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", choice)
 
 
 def _providers(hidden, weight, targets):
@@ -165,13 +180,13 @@ def _bench_three_gemms(gpu_bench, h, v, t, group):
 
 
 @pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", CUBLAS_GEMMS, FUSED_GEMMS, FUSED_DZ,
-                                      "eager PyTorch fp32 logits", "torch.compile eager",
+                                      CUTE_GEMMS, CUTE_DZ, "eager PyTorch fp32 logits", "torch.compile eager",
                                       "cut-cross-entropy (no entropy)", "Liger FLCE reduction=none (no entropy)",
                                       "Liger fused scaled CE (entropy)"])
 @pytest.mark.parametrize("h,v,t", SHAPES, ids=SHAPE_IDS)
 def test_logprobs_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
     if provider in GEMM_CHOICE:
-        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", GEMM_CHOICE[provider])
+        _set_gemm(monkeypatch, provider, GEMM_CHOICE[provider])
     hidden, weight, targets, g_logp, g_entropy = _inputs(h, v, t)
     fn = _providers(hidden, weight, targets).get(provider)
     if fn is None:
@@ -188,11 +203,11 @@ def test_logprobs_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
     _record_accuracy(benchmark, logp, entropy, _fp64_reference(hidden, weight, targets))
 
 
-@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, "torch.compile eager"])
+@pytest.mark.parametrize("provider", ["redline fused_linear_logprobs", FUSED_GEMMS, CUTE_GEMMS, "torch.compile eager"])
 @pytest.mark.parametrize("h,v,t", SHAPES[1:2], ids=SHAPE_IDS[1:2])
 def test_logprobs_forward(gpu_bench, monkeypatch, h, v, t, provider):
     if provider in GEMM_CHOICE:
-        monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", GEMM_CHOICE[provider])
+        _set_gemm(monkeypatch, provider, GEMM_CHOICE[provider])
     hidden, weight, targets, *_ = _inputs(h, v, t)
     fn = _providers(hidden, weight, targets)[provider]
 
@@ -226,20 +241,28 @@ def _policy_inputs(h, v, t):
     return hidden, weight, targets, old_logp, ref_logp, advantages, mask
 
 
-# redline variants: (workspace MiB, one_pass, fused GEMMs) — the default call passes neither workspace nor path
-# (POLICY_LOSS_WORKSPACE_BYTES, the cost model picks the path); fused: REDLINE_LM_HEAD_GEMM=triton
+# redline variants: (workspace MiB, one_pass, REDLINE_LM_HEAD_GEMM) — the default call passes neither workspace nor
+# path (POLICY_LOSS_WORKSPACE_BYTES, the cost model picks the path) and leaves the GEMM choice to ``auto``
 REDLINE_POLICY = {
-    "redline fused_linear_policy_loss": (None, None, False),
-    "redline one-pass 256 MiB": (256, True, False),
-    "redline one-pass 1 GiB": (1024, True, False),
-    "redline two-pass 256 MiB": (256, False, False),
-    "redline two-pass 1 GiB": (1024, False, False),
-    "redline fused_linear_policy_loss, Triton GEMMs with epilogues": (None, None, True),
-    "redline one-pass 1 GiB, Triton GEMMs with epilogues": (1024, True, True),
+    "redline fused_linear_policy_loss": (None, None, None),
+    "redline one-pass 256 MiB": (256, True, None),
+    "redline one-pass 1 GiB": (1024, True, None),
+    "redline two-pass 256 MiB": (256, False, None),
+    "redline two-pass 1 GiB": (1024, False, None),
+    "redline fused_linear_policy_loss, Triton GEMMs with epilogues": (None, None, "triton"),
+    "redline one-pass 1 GiB, Triton GEMMs with epilogues": (1024, True, "triton"),
+    "redline fused_linear_policy_loss, CuTe GEMMs with epilogues": (None, None, "cute"),
+    "redline one-pass 1 GiB, CuTe GEMMs with epilogues": (1024, True, "cute"),
+    "redline one-pass 256 MiB, CuTe GEMMs with epilogues": (256, True, "cute"),
 }
+# GSPO (sequence-level ratio over the 1024-token sequences): one pass (whole sequences per token chunk) or two
+GSPO_POLICY = {"redline gspo one pass 1 GiB": True, "redline gspo two passes 1 GiB": False}
+QUACK_SUM = "QuACK chunked_linear_cross_entropy (sum; no entropy, no temperature)"
+REDLINE_SUM = "redline fused_linear_logprobs, scalar upstream (-logp.sum())"
+REDLINE_SUM_CUTE = "redline fused_linear_logprobs, scalar upstream, CuTe GEMMs"
 
 
-def _policy_path_info(h, v, t, mib, one_pass, fused) -> dict:
+def _policy_path_info(h, v, t, mib, one_pass, gemm) -> dict:
     """Which path a redline variant runs, its FLOPs (6·T·H·V one pass, 8·T·H·V two passes) and the cost model's
     estimate of it (``lm_head_plan``), for the row's extra info."""
     from redline.kernels import lm_head_plan
@@ -248,7 +271,7 @@ def _policy_path_info(h, v, t, mib, one_pass, fused) -> dict:
 
     mib = POLICY_LOSS_WORKSPACE_BYTES // 2**20 if mib is None else mib
     # every row selected (the op gathers the mask's rows); fused GEMMs: statistics per STATS_BLOCK_N columns
-    shape = (t, v, h, True, 2, mib * 2**20, ALIGN, STATS_BLOCK_N if fused else None)
+    shape = (t, v, h, True, 2, mib * 2**20, ALIGN, STATS_BLOCK_N if gemm in ("triton", "cute") else None)
     if one_pass is None:
         one_pass = lm_head_plan.choose_one_pass(*shape)
     model = lm_head_plan.one_pass_seconds if one_pass else lm_head_plan.two_pass_seconds
@@ -268,7 +291,8 @@ def _eager_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ref_
 _compiled_policy_loss = torch.compile(_eager_policy_loss, dynamic=False)
 
 
-@pytest.mark.parametrize("provider", list(REDLINE_POLICY) + ["torch.compile reference", "LigerFusedLinearGRPOLoss"])
+@pytest.mark.parametrize("provider", list(REDLINE_POLICY) + list(GSPO_POLICY) + [QUACK_SUM, REDLINE_SUM, REDLINE_SUM_CUTE,
+                                                             "torch.compile reference", "LigerFusedLinearGRPOLoss"])
 @pytest.mark.parametrize("h,v,t", POLICY_SHAPES, ids=POLICY_IDS)
 def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
     """GRPO step from hidden states: clipped surrogate + k3 KL (coef 0.04), token-mean, 1024-token sequences.
@@ -276,7 +300,8 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provide
     redline rows: the default call (no workspace_bytes or one_pass: 1 GiB, path by the cost model) and each path
     forced at 256 MiB and 1 GiB of workspace; ``flops`` is the work the path does (one pass 6·T·H·V, two passes
     8·T·H·V; the cuBLAS baseline row counts 8·T·H·V for its three GEMMs, so compare times, not TFLOP/s, across
-    bases).
+    bases). QuACK's row is a sum cross-entropy of the untempered logits (its chunk: 2048 rows; a chunk equal to H
+    is refused as ambiguous): another loss, the same GEMMs.
     """
     from redline.kernels import LossConfig, fused_linear_policy_loss
 
@@ -284,10 +309,10 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provide
     cfg = LossConfig(estimator="ppo", eps_clip=0.2, kl_type="k3", kl_coef=0.04, agg="token-mean")
     flops = 8 * t * h * v
     if provider in REDLINE_POLICY:
-        mib, one_pass, fused = REDLINE_POLICY[provider]
-        if fused:
-            monkeypatch.setenv("REDLINE_LM_HEAD_GEMM", "triton")
-        info = _policy_path_info(h, v, t, mib, one_pass, fused)
+        mib, one_pass, gemm = REDLINE_POLICY[provider]
+        if gemm:
+            _set_gemm(monkeypatch, provider, gemm)
+        info = _policy_path_info(h, v, t, mib, one_pass, gemm)
         flops = info.pop("flops")
         benchmark.extra_info.update(info)
 
@@ -296,6 +321,32 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provide
                                             temperature=TEMPERATURE, ref_logp=ref_logp,
                                             workspace_bytes=None if mib is None else mib * 2**20,
                                             one_pass=one_pass)[0]
+    elif provider in GSPO_POLICY:
+        one_pass = GSPO_POLICY[provider]
+        info = _policy_path_info(h, v, t, 1024, one_pass, None)
+        flops = info.pop("flops")
+        benchmark.extra_info.update(info, estimator="gspo")
+        gspo = LossConfig(estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4, kl_type="k3", kl_coef=0.04,
+                          agg="seq-mean-token-mean")
+        cu_seqlens = torch.arange(0, t + 1, SEQ_LEN, device="cuda", dtype=torch.int32)
+
+        def loss_fn():
+            return fused_linear_policy_loss(hidden, weight, targets, old_logp, advantages, mask, cfg=gspo,
+                                            temperature=TEMPERATURE, ref_logp=ref_logp, cu_seqlens=cu_seqlens,
+                                            workspace_bytes=2**30, one_pass=one_pass)[0]
+    elif provider == QUACK_SUM:
+        quack = pytest.importorskip("quack.linear_cross_entropy", reason="QuACK is not installed (stage.py anchors)")
+
+        def loss_fn():
+            return quack.chunked_linear_cross_entropy(hidden, weight, targets, chunk_size=2048, reduction="sum")
+    elif provider in (REDLINE_SUM, REDLINE_SUM_CUTE):
+        from redline.kernels import fused_linear_logprobs
+
+        if provider == REDLINE_SUM_CUTE:
+            _set_gemm(monkeypatch, provider, "cute")
+
+        def loss_fn():
+            return -fused_linear_logprobs(hidden, weight, targets, temperature=TEMPERATURE)[0].sum()
     elif provider == "torch.compile reference":
         def loss_fn():
             return _compiled_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ref_logp, cfg)

@@ -18,6 +18,7 @@ PACKAGES = {
     "sglang": "SGLang",
     "ray": "Ray",
     "flash_attn": "flash-attn",
+    "quack": "QuACK",
     "transformers": "transformers",
 }
 # installed packages whose loading is checked too (cheap, and known to be installable but unloadable)

@@ -11,6 +11,7 @@ OPTIONAL = {
     "triton": ("triton", "gpu"),
     "pynvml": ("nvidia-ml-py", "gpu"),
     "flash_attn": ("flash-attn-4", "gpu"),
+    "quack": ("quack-kernels", "gpu"),
     "transformer_engine": ("transformer_engine", "te"),
     "sglang": ("sglang", "sglang"),
     "sglang_router": ("sglang-router", "sglang"),

@@ -1,8 +1,8 @@
 """Which implementation a kernel call runs: Triton for CUDA tensors, PyTorch for CPU tensors.
 
 ``REDLINE_KERNELS_BACKEND=torch|triton`` overrides the choice for every op; ``triton`` on CPU tensors runs
-Triton's interpreter and needs ``TRITON_INTERPRET=1``. ``REDLINE_LM_HEAD_GEMM=auto|cublas|triton|triton-dz`` picks
-the Triton path's LM-head GEMMs (``lm_head_gemm``).
+Triton's interpreter and needs ``TRITON_INTERPRET=1``. ``REDLINE_LM_HEAD_GEMM=auto|cublas|triton|triton-dz|cute|cute-dz``
+picks the Triton path's LM-head GEMMs (``lm_head_gemm``).
 """
 
 import os
@@ -10,12 +10,14 @@ import os
 import torch
 
 BACKEND_ENV = "REDLINE_KERNELS_BACKEND"
-# the Triton path's LM-head GEMMs: cuBLAS + epilogue kernels, Triton GEMMs with the epilogue inside, or (default)
-# decided per call
+# the Triton path's LM-head GEMMs: cuBLAS + epilogue kernels, GEMMs with the epilogue inside (Triton's, or QuACK's
+# CuTe-DSL ones), or (default) decided per call
 LM_HEAD_GEMM_ENV = "REDLINE_LM_HEAD_GEMM"
-# which of ``lm_head_gemm_triton``'s kernels each choice runs: ``stats`` (the forward's statistics, and the one-pass
-# loss's statistics + kept offsets), ``dz`` (the two-pass backward's recompute + dz)
-LM_HEAD_GEMM_KERNELS = {"cublas": (), "triton": ("stats", "dz"), "triton-dz": ("dz",)}
+# which fused kernels each choice runs: ``stats`` (the forward's statistics, and the one-pass loss's statistics +
+# kept offsets), ``dz`` (the two-pass backward's recompute + dz); from ``lm_head_gemm_triton`` or ``lm_head_gemm_cute``
+# (``lm_head_gemm_module``)
+LM_HEAD_GEMM_KERNELS = {"cublas": (), "triton": ("stats", "dz"), "triton-dz": ("dz",), "cute": ("stats", "dz"),
+                        "cute-dz": ("dz",)}
 # the default: each call picks (``linear_logprobs_triton.auto_fused_dz``)
 LM_HEAD_GEMM_AUTO = "auto"
 
@@ -44,10 +46,15 @@ def import_triton_module(name: str):
 
 def lm_head_gemm() -> str:
     """``"auto"`` (default: decided per call), or a key of ``LM_HEAD_GEMM_KERNELS``: ``"cublas"``, ``"triton"``
-    (every ``lm_head_gemm_triton`` kernel), ``"triton-dz"`` (its backward dz kernel only); raises naming the
-    variable when it is wrong."""
+    (every ``lm_head_gemm_triton`` kernel), ``"triton-dz"`` (its backward dz kernel only), ``"cute"`` / ``"cute-dz"``
+    (the same with ``lm_head_gemm_cute``); raises naming the variable when it is wrong."""
     choice = os.environ.get(LM_HEAD_GEMM_ENV) or LM_HEAD_GEMM_AUTO
     if choice != LM_HEAD_GEMM_AUTO and choice not in LM_HEAD_GEMM_KERNELS:
         choices = ", ".join(map(repr, (LM_HEAD_GEMM_AUTO, *LM_HEAD_GEMM_KERNELS)))
         raise ValueError(f"{LM_HEAD_GEMM_ENV} must be one of {choices}, got {choice!r}")
     return choice
+
+
+def lm_head_gemm_module(choice: str) -> str:
+    """The module (under ``redline.kernels``) whose fused GEMMs a ``LM_HEAD_GEMM_KERNELS`` choice runs."""
+    return "lm_head_gemm_cute" if choice.startswith("cute") else "lm_head_gemm_triton"

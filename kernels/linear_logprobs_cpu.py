@@ -15,7 +15,7 @@ POLICY_LOSS_WORKSPACE_BYTES = WORKSPACE_BYTES
 ALIGN = 1  # chunk sizes need no rounding for BLAS (``lm_head_plan`` takes it)
 
 
-def fused_piece(hidden) -> None:
+def fused_piece(hidden, vocab: int) -> None:
     """The CPU path has no fused GEMMs (``lm_head_plan``'s ``piece``: None)."""
     return None
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm
+from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm, lm_head_gemm_module
 from .lm_head_plan import backward_plan, forward_plan, round_up
 from .vocab_stats import RowStats, combine
 
@@ -173,7 +173,7 @@ def forward_stats(hidden, weight, targets, rows, inv_temp: float, vocab_offset: 
     vocab, width = weight.shape
     if n_rows == 0:
         return RowStats(*torch.zeros((5, 0), dtype=torch.float32, device=hidden.device))
-    fused = fused_gemm(hidden, "stats")
+    fused = fused_gemm(hidden, "stats", vocab=vocab)
     token_chunk, vocab_chunk = forward_plan(n_rows, vocab, width, rows is not None, hidden.element_size(),
                                             workspace_bytes, ALIGN, piece=fused.STATS_BLOCK_N if fused else None)
     pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
@@ -262,33 +262,52 @@ def auto_fused_dz(capability: tuple[int, int] | None, n_rows: int, why_not: str 
     return capability == AUTO_DZ_CAPABILITY and n_rows >= AUTO_DZ_MIN_ROWS and why_not is None
 
 
-def fused_gemm(hidden, kernel: str, n_rows: int = 0):
-    """``lm_head_gemm_triton`` when ``REDLINE_LM_HEAD_GEMM`` selects its ``kernel`` (``"stats"`` or ``"dz"``;
-    ValueError naming the reason when a named choice cannot run on ``hidden``; ``auto`` decides by
-    ``auto_fused_dz`` for the ``n_rows`` selected rows), else None (cuBLAS + ``_stats_kernel`` /
-    ``_dlogits_kernel``)."""
+def auto_gemm(kernel: str, capability: tuple[int, int] | None, dtype: torch.dtype, width: int, vocab: int,
+              n_rows: int, triton_why_not: str | None) -> str | None:
+    """The ``LM_HEAD_GEMM_KERNELS`` choice ``auto`` runs ``kernel`` (``"stats"``, ``"dz"``) with, None for cuBLAS +
+    epilogue: QuACK's CuTe GEMMs wherever they can run (``lm_head_gemm_cute.why_not``): measured faster than both
+    other paths for both kernels on the H100 (fwd+bwd 122.3 against 127.5–133.9 ms at H=4096, V=151936, T=16384;
+    31.3 against 32.2–33.6 at T=4096; ``benchmarks/results/lm_head/lm-head-cute-h100``); else the Triton dz GEMM
+    where ``auto_fused_dz`` says so (``triton_why_not``: ``lm_head_gemm_triton.supported``'s answer)."""
+    from . import lm_head_gemm_cute
+
+    if lm_head_gemm_cute.why_not(capability, dtype, width, vocab if kernel == "stats" else None) is None:
+        return "cute"
+    if kernel == "dz" and auto_fused_dz(capability, n_rows, triton_why_not):
+        return "triton-dz"
+    return None
+
+
+def fused_gemm(hidden, kernel: str, n_rows: int = 0, vocab: int | None = None):
+    """The module of fused GEMMs (``lm_head_gemm_triton`` or ``lm_head_gemm_cute``) when ``REDLINE_LM_HEAD_GEMM``
+    selects its ``kernel`` (``"stats"`` over ``vocab`` columns, or ``"dz"``; ValueError naming the reason when a
+    named choice cannot run on ``hidden``; ``auto`` decides by ``auto_gemm`` for the ``n_rows`` selected rows),
+    else None (cuBLAS + ``_stats_kernel`` / ``_dlogits_kernel``)."""
+    import importlib
+
     choice = lm_head_gemm()
     if choice == LM_HEAD_GEMM_AUTO:
-        if kernel != "dz" or not hidden.is_cuda:
+        if not hidden.is_cuda:
             return None
         from . import lm_head_gemm_triton
-
-        capability = torch.cuda.get_device_capability(hidden.device)
-        fused = auto_fused_dz(capability, n_rows, lm_head_gemm_triton.supported(hidden))
-        return lm_head_gemm_triton if fused else None
+        choice = auto_gemm(kernel, torch.cuda.get_device_capability(hidden.device), hidden.dtype, hidden.shape[1],
+                           vocab, n_rows, lm_head_gemm_triton.supported(hidden))
+        if choice is None:
+            return None
+        return importlib.import_module(f"redline.kernels.{lm_head_gemm_module(choice)}")
     if kernel not in LM_HEAD_GEMM_KERNELS[choice]:
         return None
-    from . import lm_head_gemm_triton
-
-    why_not = lm_head_gemm_triton.supported(hidden)
+    module = importlib.import_module(f"redline.kernels.{lm_head_gemm_module(choice)}")
+    why_not = module.supported(hidden, vocab if kernel == "stats" else None)
     if why_not is not None:
         raise ValueError(f"REDLINE_LM_HEAD_GEMM={choice}: {why_not}; unset it to use cuBLAS")
-    return lm_head_gemm_triton
+    return module
 
 
-def fused_piece(hidden) -> int | None:
-    """Columns per statistics piece when the fused statistics GEMM runs (``lm_head_plan``'s ``piece``), else None."""
-    fused = fused_gemm(hidden, "stats")
+def fused_piece(hidden, vocab: int) -> int | None:
+    """Columns per statistics piece when a fused statistics GEMM runs over ``vocab`` columns (``lm_head_plan``'s
+    ``piece``), else None."""
+    fused = fused_gemm(hidden, "stats", vocab=vocab)
     return fused.STATS_BLOCK_N if fused else None
 
 

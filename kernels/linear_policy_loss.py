@@ -76,7 +76,7 @@ def _plan(cfg: LossConfig, one_pass: Optional[bool], n_rows: int, hidden, weight
     logprobs implementation module, whose alignment and fused GEMMs the plans follow). ``seq_bounds``: for gspo
     the sequences' boundaries among the selected rows (``_sequence_bounds``): each chunk holds whole sequences."""
     shape = (n_rows, weight.shape[0], weight.shape[1], gather, hidden.element_size(), budget, backend.ALIGN,
-             backend.fused_piece(hidden))
+             backend.fused_piece(hidden, weight.shape[0]))
     if one_pass is None:
         one_pass = choose_one_pass(*shape, seq_bounds)
     if not one_pass or n_rows == 0:  # nothing selected: the two-pass path returns zeros without any work

@@ -56,7 +56,7 @@ def one_pass(hidden, weight, targets, rows, inv_temp: float, vocab_offset: int, 
     if n_rows == 0:
         return logp_out, entropy_out, d_hidden, d_weight
     token_chunk = max_chunk(chunks)
-    fused = fused_gemm(hidden, "stats")  # the kept offsets come with the statistics GEMM
+    fused = fused_gemm(hidden, "stats", vocab=vocab)  # the kept offsets come with the statistics GEMM
     pieces = triton.cdiv(vocab, fused.STATS_BLOCK_N if fused else vocab_chunk)
     if fused:  # each logit kept as an offset from its statistics piece's max (rows padded for TMA)
         row_stride = round_up(vocab, fused.STRIDE_ALIGN)

@@ -233,8 +233,8 @@ def _precision(dtype: torch.dtype, upcast: bool) -> str:
     return "ieee" if dtype == torch.float32 or upcast else "tf32"
 
 
-def supported(hidden: torch.Tensor) -> str | None:
-    """None when the fused kernel can run on ``hidden``'s device and width, else why not."""
+def supported(hidden: torch.Tensor, vocab: int | None = None) -> str | None:
+    """None when the fused kernels can run on ``hidden``'s device and width (any ``vocab``), else why not."""
     if (hidden.shape[1] * hidden.element_size()) % 16:
         return f"hidden rows of {hidden.shape[1]} × {hidden.element_size()} bytes are not a multiple of 16 (TMA)"
     if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device) < (9, 0):

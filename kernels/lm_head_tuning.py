@@ -4,32 +4,39 @@
 block shape per integer class of each (``tuning_buckets``); ``tune(weight, reachable)`` runs each kernel once per
 block shape on random rows and the real weight, so the autotuner times its configs there (a key already seeded
 from the table, ``tuning_table.apply``, is not timed again) and Triton compiles the chosen config for each class.
-``AUTOTUNED`` maps the names used in the table to the autotuned kernels. CUDA only.
+``AUTOTUNED`` maps the names used in the table to the autotuned kernels. With ``REDLINE_LM_HEAD_GEMM=cute`` (or
+``cute-dz``) the same runs compile QuACK's kernels and build their launch plans instead (they are not autotuned).
+CUDA only.
 """
+
+import importlib
 
 import torch
 
-from . import lm_head_gemm_triton as gemm
-from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm
-from .linear_logprobs_triton import (ALIGN, AUTO_DZ_CAPABILITY, AUTO_DZ_MIN_ROWS, POLICY_LOSS_WORKSPACE_BYTES,
-                                     WORKSPACE_BYTES)
+from . import lm_head_gemm_triton
+from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm, lm_head_gemm_module
+from .linear_logprobs_triton import ALIGN, AUTO_DZ_MIN_ROWS, POLICY_LOSS_WORKSPACE_BYTES, WORKSPACE_BYTES, auto_gemm
 from .lm_head_plan import round_up
 from .tuning_buckets import dz_tuning_shapes, stats_tuning_shapes
 
-AUTOTUNED = {"gemm_dz": gemm._gemm_dz_kernel, "gemm_stats": gemm._gemm_stats_kernel}
+AUTOTUNED = {"gemm_dz": lm_head_gemm_triton._gemm_dz_kernel, "gemm_stats": lm_head_gemm_triton._gemm_stats_kernel}
 BUDGETS = (WORKSPACE_BYTES, POLICY_LOSS_WORKSPACE_BYTES)  # log-prob op's and policy loss's default workspaces
 
 
 def reachable(max_rows: int, vocab: int, width: int, dtype: torch.dtype, capability: tuple[int, int] | None):
     """``{kernel name: {(rows bucket, cols bucket): [(rows, cols), ...]}}`` for calls of up to ``max_rows``
     selected rows on a ``[vocab, width]`` weight shard of ``dtype`` on a GPU of ``capability``: empty where
-    ``REDLINE_LM_HEAD_GEMM`` runs no Triton GEMM (``auto`` below ``AUTO_DZ_MIN_ROWS`` rows, or off Hopper)."""
+    ``REDLINE_LM_HEAD_GEMM`` runs no fused GEMM (``auto`` off Hopper, or with the Triton dz GEMM alone below
+    ``AUTO_DZ_MIN_ROWS`` rows)."""
     choice = lm_head_gemm()
     itemsize = torch.empty((), dtype=dtype).element_size()
     if (width * itemsize) % 16 or capability is None or capability < (9, 0):
         return {}
     if choice == LM_HEAD_GEMM_AUTO:
-        kernels, min_dz_rows = (("dz",), AUTO_DZ_MIN_ROWS) if capability == AUTO_DZ_CAPABILITY else ((), 0)
+        chosen = {kernel: auto_gemm(kernel, capability, dtype, width, vocab, max_rows, None)
+                  for kernel in ("stats", "dz")}
+        kernels = tuple(kernel for kernel, gemm in chosen.items() if gemm)
+        min_dz_rows = AUTO_DZ_MIN_ROWS if chosen["dz"] == "triton-dz" else 1
     else:
         kernels, min_dz_rows = LM_HEAD_GEMM_KERNELS[choice], 1
     found = {}
@@ -37,7 +44,7 @@ def reachable(max_rows: int, vocab: int, width: int, dtype: torch.dtype, capabil
         found["gemm_dz"] = dz_tuning_shapes(min_dz_rows, max_rows, vocab, width, itemsize, BUDGETS, ALIGN)
     if "stats" in kernels:
         found["gemm_stats"] = stats_tuning_shapes(max_rows, vocab, width, itemsize, BUDGETS,
-                                                  POLICY_LOSS_WORKSPACE_BYTES, ALIGN, gemm.STATS_BLOCK_N)
+                                                  POLICY_LOSS_WORKSPACE_BYTES, ALIGN, lm_head_gemm_triton.STATS_BLOCK_N)
     return {name: keys for name, keys in found.items() if keys}
 
 
@@ -62,7 +69,18 @@ def tune(weight: torch.Tensor, shapes: dict, progress=None) -> int:
     return len(blocks)
 
 
+def _fused_module(kernel: str, weight: torch.Tensor):
+    """The module whose ``kernel`` (``"stats"``, ``"dz"``) ``REDLINE_LM_HEAD_GEMM`` runs on ``weight``'s GPU for the
+    calls ``reachable`` lists."""
+    choice = lm_head_gemm()
+    if choice == LM_HEAD_GEMM_AUTO:
+        capability = torch.cuda.get_device_capability(weight.device)
+        choice = auto_gemm(kernel, capability, weight.dtype, weight.shape[1], weight.shape[0], AUTO_DZ_MIN_ROWS, None)
+    return importlib.import_module(f"redline.kernels.{lm_head_gemm_module(choice)}")
+
+
 def _run_dz(h, w_chunk, target) -> None:
+    gemm = _fused_module("dz", w_chunk)
     rows, cols = h.shape[0], w_chunk.shape[0]
     dz = torch.empty(rows, round_up(cols, gemm.STRIDE_ALIGN), dtype=h.dtype, device=h.device)[:, :cols]
     row = torch.zeros(rows, dtype=torch.float32, device=h.device)
@@ -71,6 +89,7 @@ def _run_dz(h, w_chunk, target) -> None:
 
 
 def _run_stats(h, weight, target) -> None:
+    gemm = _fused_module("stats", weight)
     rows, vocab = h.shape[0], weight.shape[0]
     pieces = -(-vocab // gemm.STATS_BLOCK_N)
     parts = torch.empty(5, rows, pieces, dtype=torch.float32, device=h.device)

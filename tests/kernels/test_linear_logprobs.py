@@ -278,7 +278,7 @@ def test_lm_head_gemm_choice_selects_its_fused_kernels(monkeypatch, choice, kern
     hidden = _backward_inputs()[0]
     assert tuple(k for k in ("stats", "dz") if linear_logprobs_triton.fused_gemm(hidden, k, 10**6)) == kernels
     piece = lm_head_gemm_triton.STATS_BLOCK_N if "stats" in kernels else None
-    assert linear_logprobs_triton.fused_piece(hidden) == piece
+    assert linear_logprobs_triton.fused_piece(hidden, 1000) == piece
 
 
 @pytest.mark.parametrize("capability, n_rows, why_not, fused", [

@@ -1,0 +1,155 @@
+"""The LM head's logits GEMM with its epilogue inside a warp-specialised CuTe-DSL GEMM (QuACK's sm_90 GEMMs and their
+``@gemm_epilogue`` frontend, ``pip install 'redline[gpu]'``): the contracts of ``lm_head_gemm_triton``, so the
+plans, the merge of the statistics and the one-pass path's dz kernel stay as they are.
+
+``REDLINE_LM_HEAD_GEMM=cute`` selects both kernels, ``cute-dz`` the backward's alone (``backend``).
+  ``gemm_stats``  forward (and the one-pass path's statistics): a prepass over each fp32 accumulator tile finds its
+                  rows' max over the tile's STATS_BLOCK_N columns; the epilogue then folds ``e = exp(z − max)``
+                  and ``e·(z − max)`` into per-(row, tile) sums and picks the target column's raw logit. No logits
+                  are stored, unless ``offsets`` asks for them (each logit's offset from its tile's max, fp16: the
+                  one-pass path's kept logits).
+  ``gemm_dz``     two-pass backward: the recomputed tile becomes ``dz = p·(α + β·acc)`` with per-row α, β
+                  (``dz_row_terms``); the target column's one-hot term is written afterwards from its exact fp32
+                  logit, which the epilogue gathers (``fix_target_column``), so no element of the tile compares
+                  column indices.
+Needs an sm_90 GPU, bf16/fp16 inputs, rows of 16-byte multiples and, for the statistics, a vocabulary (shard) that
+is a multiple of STATS_BLOCK_N (a ragged last tile would add its padding's exp to the sums); ``supported`` says
+which is missing. The host-side glue (``stats_into_parts``, ``dz_row_terms``, ``fix_target_column``) is plain
+torch and runs on CPU tensors in the tests.
+"""
+
+import functools
+import math
+
+import torch
+
+from .lm_head_gemm_triton import STRIDE_ALIGN, dz_from_offsets, offset_dtype  # noqa: F401  (same contracts)
+
+STATS_BLOCK_N = 128  # columns per statistics piece: the CuTe GEMM's tile width
+LOG2E = 1.4426950408889634
+LN2 = math.log(2.0)
+CAPABILITY = (9, 0)  # QuACK's warp-specialised sm_90 mainloop; measured on the H100
+
+
+@functools.lru_cache(maxsize=None)
+def quack_missing() -> str | None:
+    """None when QuACK's epilogue frontend imports, else why not (checked once per process)."""
+    try:
+        import quack.epilogue.frontend  # noqa: F401
+    except ImportError as exc:
+        return f"QuACK is not importable ({exc}); pip install 'redline[gpu]'"
+    return None
+
+
+def why_not(capability: tuple[int, int] | None, dtype: torch.dtype, width: int, vocab: int | None = None) -> str | None:
+    """None when the CuTe kernels can run on a GPU of ``capability`` (None: CPU tensors) for ``[t, width]`` rows of
+    ``dtype`` (and, given ``vocab``, the statistics over that many columns), else why not."""
+    if capability is None:
+        return "the CuTe-DSL GEMMs need CUDA tensors"
+    if capability != CAPABILITY:
+        return (f"compute capability {capability[0]}.{capability[1]} is not sm_90 (QuACK's warp-specialised GEMMs "
+                f"with these epilogues are built and measured for sm_90)")
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the rows are {dtype}; the CuTe-DSL GEMMs take bf16 or fp16"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if (width * itemsize) % 16:
+        return f"hidden rows of {width} × {itemsize} bytes are not a multiple of 16 (TMA)"
+    if vocab is not None and vocab % STATS_BLOCK_N:
+        return f"a vocabulary (shard) of {vocab} is not a multiple of {STATS_BLOCK_N} (the statistics tile)"
+    return quack_missing()
+
+
+def supported(hidden: torch.Tensor, vocab: int | None = None) -> str | None:
+    """``why_not`` for ``hidden``'s device, dtype and width."""
+    capability = torch.cuda.get_device_capability(hidden.device) if hidden.is_cuda else None
+    return why_not(capability, hidden.dtype, hidden.shape[1], vocab)
+
+
+# QuACK launch configurations (``EpiMod.gemm`` keywords), the fastest that ``benchmarks/tune_cute_lm_head.py`` timed
+# on the H100 (``benchmarks/results/lm_head/lm-head-cute-h100/tuned-configs``; H=4096, V=151936). The statistics
+# tile is STATS_BLOCK_N wide (a piece of the partials); pingpong: one warp group's epilogue runs while the other's
+# mainloop does. Statistics of a 5120-token chunk: 9.07 ms (cuBLAS's bare GEMM of the block: 9.14; 128-row tiles
+# 9.76); dz of a 4096 × 24320 block: 1.21 ms (cuBLAS 1.07; 128-column tiles 1.43).
+STATS_CONFIG = dict(tile_M=192, tile_N=STATS_BLOCK_N, cluster_M=1, cluster_N=2, pingpong=True)
+DZ_CONFIG = dict(tile_M=128, tile_N=192, cluster_M=2, cluster_N=1, pingpong=True)
+
+
+def gemm_stats(h, weight, target, parts, inv_temp: float, offsets=None) -> None:
+    """Softmax statistics of ``h [t, H]`` over ``weight [V, H]`` (``target [t]`` ids local to the shard) into
+    ``parts``: five ``[t, V / STATS_BLOCK_N]`` contiguous fp32 tensors (m, s, w, zy, hit) for
+    ``vocab_stats.combine``. ``offsets``: a ``[t, V]`` fp16 view (row stride a multiple of ``STRIDE_ALIGN``) that
+    receives each logit's offset from its piece's max (``lm_head_gemm_triton.gemm_stats``'s contract)."""
+    n_rows = h.shape[0]
+    if n_rows == 0:
+        return
+    from .lm_head_cute_epilogues import stats
+    m, s, w, _, _ = parts
+    target_logit = torch.empty(n_rows, dtype=torch.float32, device=h.device)
+    stats.gemm(h, weight, offsets, epi_args=dict(piece_max=STATS_BLOCK_N, piece_max_out=m, sum_exp=s,
+                                                 sum_exp_offset=w, target=target.to(torch.int32),
+                                                 target_logit=target_logit, inv_temp=float(inv_temp)),
+               **STATS_CONFIG)
+    stats_into_parts(parts, target, target_logit, weight.shape[0], inv_temp)
+
+
+def stats_into_parts(parts, target, target_logit, vocab: int, inv_temp: float) -> None:
+    """Turn the statistics epilogue's raw outputs, in place, into ``vocab_stats`` pieces: m holds each tile's max of
+    the raw accumulator × log2(e), w the sums of e·(z − max) in log2 units, and ``target_logit [t]`` the target's
+    raw logit, written only for rows whose target lies in the shard (``target [t]`` local ids in [0, vocab))."""
+    m, _, w, zy, hit = parts
+    m.mul_(inv_temp * LN2)
+    w.mul_(LN2)
+    inside = (target >= 0) & (target < vocab)
+    zy.zero_()
+    hit.zero_()
+    zy[:, 0] = torch.where(inside, target_logit * inv_temp, 0.0)  # rows outside: never written, garbage
+    hit[:, 0] = inside.to(hit.dtype)
+
+
+def dz_row_terms(row_values, inv_temp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lse·log2(e), α, β)`` ``[1, t]`` fp32 of ``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` written
+    as ``p·(α + β·acc)`` off the target column, acc the raw logit (z = acc/τ): α = −(g_lp − g_H·Σp z)/τ,
+    β = −g_H/τ². ``row_values``: ``(lse, entropy, g_lp, g_H or None)``, each ``[t]`` fp32."""
+    lse, entropy, grad_logp, grad_entropy = row_values
+    if grad_entropy is None:
+        alpha, beta = -inv_temp * grad_logp, torch.zeros_like(grad_logp)
+    else:
+        sum_pz = lse - entropy
+        alpha = -inv_temp * (grad_logp - grad_entropy * sum_pz)
+        beta = -(inv_temp * inv_temp) * grad_entropy
+    return (lse * LOG2E)[None], alpha[None].contiguous(), beta[None].contiguous()
+
+
+def fix_target_column(dz, target, col0: int, target_logit, row_values, inv_temp: float) -> None:
+    """Overwrite each row's target entry of ``dz [t, vc]`` (columns col0…col0+vc−1; ``target [t]`` local ids) with
+    its exact value, one-hot term included, from ``target_logit [t]`` fp32 (the raw logit the dz epilogue
+    gathered; garbage in rows whose target lies outside the block, which keep their entry). No host sync."""
+    lse, entropy, grad_logp, grad_entropy = row_values
+    local = target - col0
+    inside = (local >= 0) & (local < dz.shape[1])
+    index = local.clamp(0, dz.shape[1] - 1)[:, None]
+    z = target_logit * inv_temp
+    p = torch.exp(z - lse)
+    exact = grad_logp * (1.0 - p)
+    if grad_entropy is not None:
+        exact = exact - grad_entropy * p * (z - (lse - entropy))
+    current = dz.gather(1, index)[:, 0]
+    dz.scatter_(1, index, torch.where(inside, (exact * inv_temp).to(dz.dtype), current)[:, None])
+
+
+def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> None:
+    """Write ``dz [t, vc]`` (a view whose row stride is a multiple of ``STRIDE_ALIGN``) for ``h [t, H]`` and
+    ``w_chunk [vc, H]`` (contiguous rows). ``target [t]`` int64 ids (local to the shard), ``row_values``:
+    ``(lse, entropy, grad_logp, grad_entropy or None)``, each ``[t]`` fp32 contiguous."""
+    n_rows, n_cols = dz.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    from .lm_head_cute_epilogues import dz as dz_epilogue
+    lse_log2, alpha, beta = dz_row_terms(row_values, inv_temp)
+    target_logit = torch.empty(n_rows, dtype=torch.float32, device=h.device)
+    dz_epilogue.gemm(h, w_chunk, dz, epi_args=dict(lse_log2=lse_log2, alpha=alpha, beta=beta,
+                                                   scale_log2=float(inv_temp * LOG2E),
+                                                   target=(target - col0).to(torch.int32),
+                                                   target_logit=target_logit),
+                     **DZ_CONFIG)
+    fix_target_column(dz, target, col0, target_logit, row_values, inv_temp)
