@@ -262,22 +262,24 @@ REDLINE_SUM = "redline fused_linear_logprobs, scalar upstream (-logp.sum())"
 REDLINE_SUM_CUTE = "redline fused_linear_logprobs, scalar upstream, CuTe GEMMs"
 
 
-def _policy_path_info(h, v, t, mib, one_pass, gemm) -> dict:
-    """Which path a redline variant runs, its FLOPs (6·T·H·V one pass, 8·T·H·V two passes) and the cost model's
-    estimate of it (``lm_head_plan``), for the row's extra info."""
+def _policy_path_info(hidden, v, mib, one_pass, seq_bounds=None) -> dict:
+    """Which path a redline variant runs on ``hidden [T, H]`` (under the REDLINE_LM_HEAD_GEMM already set), its FLOPs
+    (6·T·H·V one pass, 8·T·H·V two passes) and the cost model's estimate of it (``lm_head_plan``), for the row's
+    extra info. ``seq_bounds``: gspo's sequences, which its one-pass chunks hold whole."""
     from redline.kernels import lm_head_plan
-    from redline.kernels.linear_logprobs_triton import ALIGN, POLICY_LOSS_WORKSPACE_BYTES
-    from redline.kernels.lm_head_gemm_triton import STATS_BLOCK_N
+    from redline.kernels.linear_logprobs_triton import ALIGN, POLICY_LOSS_WORKSPACE_BYTES, fused_piece
 
+    t, h = hidden.shape
     mib = POLICY_LOSS_WORKSPACE_BYTES // 2**20 if mib is None else mib
-    # every row selected (the op gathers the mask's rows); fused GEMMs: statistics per STATS_BLOCK_N columns
-    shape = (t, v, h, True, 2, mib * 2**20, ALIGN, STATS_BLOCK_N if gemm in ("triton", "cute") else None)
+    # every row selected (the op gathers the mask's rows); fused GEMMs: statistics per piece of columns
+    shape = (t, v, h, True, 2, mib * 2**20, ALIGN, fused_piece(hidden, v))
     if one_pass is None:
-        one_pass = lm_head_plan.choose_one_pass(*shape)
-    model = lm_head_plan.one_pass_seconds if one_pass else lm_head_plan.two_pass_seconds
+        one_pass = lm_head_plan.choose_one_pass(*shape, seq_bounds)
+    model = (lm_head_plan.one_pass_seconds(*shape, seq_bounds) if one_pass
+             else lm_head_plan.two_pass_seconds(*shape))
     return dict(path="one pass" if one_pass else "two passes", workspace_mib=mib,
-                flops=(6 if one_pass else 8) * t * h * v, model_ms=round(model(*shape) * 1e3, 1),
-                one_pass_plan=str(lm_head_plan.one_pass_plan(*shape)) if one_pass else None)
+                flops=(6 if one_pass else 8) * t * h * v, model_ms=round(model * 1e3, 1),
+                one_pass_plan=str(lm_head_plan.one_pass_plan(*shape, seq_bounds)) if one_pass else None)
 
 
 def _eager_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ref_logp, cfg):
@@ -291,8 +293,8 @@ def _eager_policy_loss(hidden, weight, targets, old_logp, advantages, mask, ref_
 _compiled_policy_loss = torch.compile(_eager_policy_loss, dynamic=False)
 
 
-@pytest.mark.parametrize("provider", list(REDLINE_POLICY) + list(GSPO_POLICY) + [QUACK_SUM, REDLINE_SUM, REDLINE_SUM_CUTE,
-                                                             "torch.compile reference", "LigerFusedLinearGRPOLoss"])
+@pytest.mark.parametrize("provider", list(REDLINE_POLICY) + list(GSPO_POLICY) + [
+    QUACK_SUM, REDLINE_SUM, REDLINE_SUM_CUTE, "torch.compile reference", "LigerFusedLinearGRPOLoss"])
 @pytest.mark.parametrize("h,v,t", POLICY_SHAPES, ids=POLICY_IDS)
 def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provider):
     """GRPO step from hidden states: clipped surrogate + k3 KL (coef 0.04), token-mean, 1024-token sequences.
@@ -312,7 +314,7 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provide
         mib, one_pass, gemm = REDLINE_POLICY[provider]
         if gemm:
             _set_gemm(monkeypatch, provider, gemm)
-        info = _policy_path_info(h, v, t, mib, one_pass, gemm)
+        info = _policy_path_info(hidden, v, mib, one_pass)
         flops = info.pop("flops")
         benchmark.extra_info.update(info)
 
@@ -323,7 +325,7 @@ def test_policy_loss_fwd_bwd(gpu_bench, benchmark, monkeypatch, h, v, t, provide
                                             one_pass=one_pass)[0]
     elif provider in GSPO_POLICY:
         one_pass = GSPO_POLICY[provider]
-        info = _policy_path_info(h, v, t, 1024, one_pass, None)
+        info = _policy_path_info(hidden, v, 1024, one_pass, list(range(0, t + 1, SEQ_LEN)))
         flops = info.pop("flops")
         benchmark.extra_info.update(info, estimator="gspo")
         gspo = LossConfig(estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4, kl_type="k3", kl_coef=0.04,

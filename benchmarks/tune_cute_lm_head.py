@@ -4,7 +4,9 @@ blocks the default plans give, beside cuBLAS doing the bare GEMM of the same blo
     python3 benchmarks/tune_cute_lm_head.py OUT.json [--tokens 16384] [--hidden 4096] [--vocab 151936]
 
 Per configuration: median ms over 20 calls (after a compiling call and 3 warm-ups) of ``gemm_stats`` on one
-forward token chunk (the whole vocabulary) and of ``gemm_dz`` on one backward block, and the bare GEMM's. sm_90 only.
+forward token chunk (the whole vocabulary), of ``gemm_dz`` on one backward block (and QuACK's plain GEMM of the block
+in the same configuration: what the epilogue costs), and of the dz epilogue cut into parts
+(``tune_cute_epilogue_parts``: which of its pieces costs the time). sm_90 only.
 """
 
 import argparse
@@ -69,11 +71,14 @@ def main(argv=None) -> int:
     logits = torch.empty(tc, v, device=device, dtype=torch.bfloat16)
     results["stats_block"] = [tc, v]
     results["stats_cublas_ms"] = _try(lambda: torch.mm(hidden[:tc], weight.t(), out=logits))[0]
+    from quack.epilogue.library import identity_epi
+
     for config in STATS_CONFIGS:
         cute.STATS_CONFIG = config
         ms, error = _try(lambda: cute.gemm_stats(hidden[:tc], weight, targets[:tc], parts, 1.0))
-        results["stats"].append(dict(config=config, ms=ms, error=error))
-        print("stats", config, ms, error, flush=True)
+        plain, _ = _try(lambda: identity_epi.gemm(hidden[:tc], weight, logits, epi_args={}, **config))
+        results["stats"].append(dict(config=config, ms=ms, plain_gemm_ms=plain, error=error))
+        print("stats", config, ms, "plain", plain, error, flush=True)
 
     tc, vc = backward_plan(t, v, h, False, 2, WORKSPACE_BYTES, ALIGN, keeps_logits=False)
     dz = torch.empty(tc, round_up(vc, cute.STRIDE_ALIGN), device=device, dtype=torch.bfloat16)[:, :vc]
@@ -84,8 +89,21 @@ def main(argv=None) -> int:
     for config in DZ_CONFIGS:
         cute.DZ_CONFIG = config
         ms, error = _try(lambda: cute.gemm_dz(hidden[:tc], weight[:vc], dz, targets[:tc], 0, row_values, 1.0))
-        results["dz"].append(dict(config=config, ms=ms, error=error))
-        print("dz", config, ms, error, flush=True)
+        plain, _ = _try(lambda: identity_epi.gemm(hidden[:tc], weight[:vc], dz, epi_args={}, **config))
+        results["dz"].append(dict(config=config, ms=ms, plain_gemm_ms=plain, error=error))
+        print("dz", config, ms, "plain", plain, error, flush=True)
+
+    from tune_cute_epilogue_parts import DZ_PARTS
+
+    results["dz_parts"] = []
+    lse_log2, alpha, beta = cute.dz_row_terms(row_values, 1.0)
+    operands = dict(lse_log2=lse_log2, alpha=alpha, beta=beta, scale_log2=cute.LOG2E,
+                    target=targets[:tc].to(torch.int32), target_logit=torch.empty(tc, device=device))
+    for name, (mod, keys) in DZ_PARTS.items():
+        epi_args = {key: operands[key] for key in keys}
+        ms, error = _try(lambda: mod.gemm(hidden[:tc], weight[:vc], dz, epi_args=epi_args, **DZ_CONFIGS[1]))
+        results["dz_parts"].append(dict(epilogue=name, config=DZ_CONFIGS[1], ms=ms, error=error))
+        print("dz part", name, ms, error, flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

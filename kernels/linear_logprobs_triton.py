@@ -110,17 +110,28 @@ def dz_tile(z, cols, r, row_ok, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr
             HAS_GENT: tl.constexpr):
     """``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` (fp32) of a tile of temperature-scaled logits ``z``
     (rows ``r``, valid where ``row_ok``; columns ``cols``, column c being id ``c + col0`` of y's target ids), with
-    the per-row lse, entropy, g_lp, g_H loaded here. Every dz kernel (cuBLAS epilogue, fused GEMM, one-pass
-    offsets) computes it through this one function."""
+    the per-row lse, entropy, g_lp, g_H loaded here. Every Triton dz kernel (cuBLAS epilogue, fused GEMM, one-pass
+    offsets) computes it through this one function, and the CuTe path's target column through ``dz_value``."""
     lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
     g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
     target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
-    p = tl.exp(z - lse[:, None])
-    dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
+    sum_pz = lse
+    g_ent = g_lp
     if HAS_GENT:
         sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
         g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
-        dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
+    return dz_value(z, cols[None, :] == target[:, None], lse[:, None], g_lp[:, None], sum_pz[:, None],
+                    g_ent[:, None], inv_temp, HAS_GENT)
+
+
+@triton.jit
+def dz_value(z, is_target, lse, g_lp, sum_pz, g_ent, inv_temp, HAS_GENT: tl.constexpr):
+    """``(1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` (fp32) elementwise, from the logit z, whether it is the target,
+    and its row's lse, g_lp, Σp z and g_H (broadcastable; the last two unused without HAS_GENT)."""
+    p = tl.exp(z - lse)
+    dz = g_lp * (is_target.to(tl.float32) - p)
+    if HAS_GENT:
+        dz -= g_ent * p * (z - sum_pz)
     return dz * inv_temp
 
 
@@ -266,8 +277,9 @@ def auto_gemm(kernel: str, capability: tuple[int, int] | None, dtype: torch.dtyp
               n_rows: int, triton_why_not: str | None) -> str | None:
     """The ``LM_HEAD_GEMM_KERNELS`` choice ``auto`` runs ``kernel`` (``"stats"``, ``"dz"``) with, None for cuBLAS +
     epilogue: QuACK's CuTe GEMMs wherever they can run (``lm_head_gemm_cute.why_not``): measured faster than both
-    other paths for both kernels on the H100 (fwd+bwd 122.3 against 127.5–133.9 ms at H=4096, V=151936, T=16384;
-    31.3 against 32.2–33.6 at T=4096; ``benchmarks/results/lm_head/lm-head-cute-h100``); else the Triton dz GEMM
+    other paths for both kernels on the H100 (fwd+bwd 122.8–124.0 against 128.1–137.6 ms at H=4096, V=151936,
+    T=16384; 29.5 against 32.3–33.3 at T=4096; ``benchmarks/results/lm_head/lm-head-cute-h100/final``); else the
+    Triton dz GEMM
     where ``auto_fused_dz`` says so (``triton_why_not``: ``lm_head_gemm_triton.supported``'s answer)."""
     from . import lm_head_gemm_cute
 

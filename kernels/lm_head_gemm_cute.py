@@ -23,11 +23,16 @@ import math
 
 import torch
 
+import triton
+import triton.language as tl
+
+from .linear_logprobs_triton import _interpreting, dz_value
 from .lm_head_gemm_triton import STRIDE_ALIGN, dz_from_offsets, offset_dtype  # noqa: F401  (same contracts)
 
 STATS_BLOCK_N = 128  # columns per statistics piece: the CuTe GEMM's tile width
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
+_LOG2E = tl.constexpr(LOG2E)  # what a Triton kernel may read of a global
 CAPABILITY = (9, 0)  # QuACK's warp-specialised sm_90 mainloop; measured on the H100
 
 
@@ -65,12 +70,14 @@ def supported(hidden: torch.Tensor, vocab: int | None = None) -> str | None:
     return why_not(capability, hidden.dtype, hidden.shape[1], vocab)
 
 
-# QuACK launch configurations (``EpiMod.gemm`` keywords), the fastest that ``benchmarks/tune_cute_lm_head.py`` timed
-# on the H100 (``benchmarks/results/lm_head/lm-head-cute-h100/tuned-configs``; H=4096, V=151936). The statistics
-# tile is STATS_BLOCK_N wide (a piece of the partials); pingpong: one warp group's epilogue runs while the other's
-# mainloop does. Statistics of a 5120-token chunk: 9.07 ms (cuBLAS's bare GEMM of the block: 9.14; 128-row tiles
-# 9.76); dz of a 4096 × 24320 block: 1.21 ms (cuBLAS 1.07; 128-column tiles 1.43).
-STATS_CONFIG = dict(tile_M=192, tile_N=STATS_BLOCK_N, cluster_M=1, cluster_N=2, pingpong=True)
+# QuACK launch configurations (``EpiMod.gemm`` keywords), among the fastest that ``benchmarks/tune_cute_lm_head.py``
+# timed in three H100 sittings (``benchmarks/results/lm_head/lm-head-cute-h100/``; H=4096, V=151936; the best three
+# of each kernel lie within 2–4 % of each other, about the spread between sittings). The statistics tile is
+# STATS_BLOCK_N wide (a piece of the partials). Statistics of a 5120-token chunk over the whole vocabulary:
+# 8.84–9.13 ms with 256-row cooperative tiles (QuACK's plain GEMM of the block 8.44, cuBLAS's 8.48–9.14); dz of a
+# 4096 × 24320 block with 128 × 192 pingpong tiles (one warp group's epilogue runs while the other's mainloop does):
+# 1.08 ms for the GEMM itself, plain GEMM 1.02–1.06.
+STATS_CONFIG = dict(tile_M=256, tile_N=STATS_BLOCK_N, cluster_M=2, cluster_N=1, pingpong=False)
 DZ_CONFIG = dict(tile_M=128, tile_N=192, cluster_M=2, cluster_N=1, pingpong=True)
 
 
@@ -106,35 +113,68 @@ def stats_into_parts(parts, target, target_logit, vocab: int, inv_temp: float) -
     hit[:, 0] = inside.to(hit.dtype)
 
 
+@triton.jit
+def _dz_rows_kernel(lse_ptr, ent_ptr, glp_ptr, gent_ptr, out_ptr, stride_out, n_rows, inv_temp,
+                    HAS_GENT: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n_rows
+    lse = tl.load(lse_ptr + r, mask=ok, other=0.0)
+    g_lp = tl.load(glp_ptr + r, mask=ok, other=0.0)
+    alpha = -inv_temp * g_lp
+    beta = tl.zeros_like(g_lp)
+    if HAS_GENT:
+        g_ent = tl.load(gent_ptr + r, mask=ok, other=0.0)
+        alpha += inv_temp * g_ent * (lse - tl.load(ent_ptr + r, mask=ok, other=0.0))
+        beta = -inv_temp * inv_temp * g_ent
+    tl.store(out_ptr + r, lse * _LOG2E, mask=ok)
+    tl.store(out_ptr + stride_out + r, alpha, mask=ok)
+    tl.store(out_ptr + 2 * stride_out + r, beta, mask=ok)
+
+
+ROWS_BLOCK = 16 if _interpreting() else 1024
+
+
 def dz_row_terms(row_values, inv_temp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(lse·log2(e), α, β)`` ``[1, t]`` fp32 of ``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` written
     as ``p·(α + β·acc)`` off the target column, acc the raw logit (z = acc/τ): α = −(g_lp − g_H·Σp z)/τ,
-    β = −g_H/τ². ``row_values``: ``(lse, entropy, g_lp, g_H or None)``, each ``[t]`` fp32."""
+    β = −g_H/τ². ``row_values``: ``(lse, entropy, g_lp, g_H or None)``, each ``[t]`` fp32 contiguous. One launch."""
     lse, entropy, grad_logp, grad_entropy = row_values
-    if grad_entropy is None:
-        alpha, beta = -inv_temp * grad_logp, torch.zeros_like(grad_logp)
-    else:
-        sum_pz = lse - entropy
-        alpha = -inv_temp * (grad_logp - grad_entropy * sum_pz)
-        beta = -(inv_temp * inv_temp) * grad_entropy
-    return (lse * LOG2E)[None], alpha[None].contiguous(), beta[None].contiguous()
+    n_rows = lse.numel()
+    out = torch.empty(3, -(-n_rows // 4) * 4, dtype=torch.float32, device=lse.device)  # 16-byte aligned rows (TMA)
+    _dz_rows_kernel[(triton.cdiv(n_rows, ROWS_BLOCK),)](
+        lse, entropy, grad_logp, grad_entropy if grad_entropy is not None else grad_logp, out, out.stride(0), n_rows,
+        inv_temp, HAS_GENT=grad_entropy is not None, BLOCK=ROWS_BLOCK)
+    return out[0:1, :n_rows], out[1:2, :n_rows], out[2:3, :n_rows]
+
+
+@triton.jit
+def _fix_target_kernel(dz_ptr, stride_dz, n_rows, n_cols, y_ptr, col0, zy_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+                       inv_temp, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    local = tl.load(y_ptr + r, mask=r < n_rows, other=-1) - col0
+    inside = (r < n_rows) & (local >= 0) & (local < n_cols)
+    lse = tl.load(lse_ptr + r, mask=inside, other=0.0)
+    sum_pz = lse
+    g_ent = lse
+    if HAS_GENT:
+        sum_pz = lse - tl.load(ent_ptr + r, mask=inside, other=0.0)
+        g_ent = tl.load(gent_ptr + r, mask=inside, other=0.0)
+    z = tl.load(zy_ptr + r, mask=inside, other=0.0) * inv_temp
+    dz = dz_value(z, inside, lse, tl.load(glp_ptr + r, mask=inside, other=0.0), sum_pz, g_ent, inv_temp, HAS_GENT)
+    tl.store(dz_ptr + r.to(tl.int64) * stride_dz + local, dz.to(dz_ptr.dtype.element_ty), mask=inside)
 
 
 def fix_target_column(dz, target, col0: int, target_logit, row_values, inv_temp: float) -> None:
-    """Overwrite each row's target entry of ``dz [t, vc]`` (columns col0…col0+vc−1; ``target [t]`` local ids) with
-    its exact value, one-hot term included, from ``target_logit [t]`` fp32 (the raw logit the dz epilogue
-    gathered; garbage in rows whose target lies outside the block, which keep their entry). No host sync."""
+    """Overwrite each row's target entry of ``dz [t, vc]`` (unit column stride; columns col0…col0+vc−1; ``target
+    [t]`` local ids) with its exact value, one-hot term included, from ``target_logit [t]`` fp32 (the raw logit the
+    dz epilogue gathered; garbage in rows whose target lies outside the block, which keep their entry). One launch,
+    no host sync."""
     lse, entropy, grad_logp, grad_entropy = row_values
-    local = target - col0
-    inside = (local >= 0) & (local < dz.shape[1])
-    index = local.clamp(0, dz.shape[1] - 1)[:, None]
-    z = target_logit * inv_temp
-    p = torch.exp(z - lse)
-    exact = grad_logp * (1.0 - p)
-    if grad_entropy is not None:
-        exact = exact - grad_entropy * p * (z - (lse - entropy))
-    current = dz.gather(1, index)[:, 0]
-    dz.scatter_(1, index, torch.where(inside, (exact * inv_temp).to(dz.dtype), current)[:, None])
+    n_rows = dz.shape[0]
+    _fix_target_kernel[(triton.cdiv(n_rows, ROWS_BLOCK),)](
+        dz, dz.stride(0), n_rows, dz.shape[1], target, col0, target_logit, lse, entropy, grad_logp,
+        grad_entropy if grad_entropy is not None else grad_logp, inv_temp, HAS_GENT=grad_entropy is not None,
+        BLOCK=ROWS_BLOCK)
 
 
 def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> None:
@@ -149,7 +189,7 @@ def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> N
     target_logit = torch.empty(n_rows, dtype=torch.float32, device=h.device)
     dz_epilogue.gemm(h, w_chunk, dz, epi_args=dict(lse_log2=lse_log2, alpha=alpha, beta=beta,
                                                    scale_log2=float(inv_temp * LOG2E),
-                                                   target=(target - col0).to(torch.int32),
+                                                   target=target - col0,
                                                    target_logit=target_logit),
                      **DZ_CONFIG)
     fix_target_column(dz, target, col0, target_logit, row_values, inv_temp)

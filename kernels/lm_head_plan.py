@@ -36,6 +36,11 @@ HBM_BYTES_PER_S = 3.0e12  # H100 HBM3, achievable
 # the chunk's policy-loss call). Fitted to the H100 run (lm-head-policy-h100-run2): without it the model said
 # 134 ms at 256 MiB (384-token chunks) where 160.5 ms was measured, 107 vs 113 ms at 1 GiB (1472-token chunks).
 ONE_PASS_CHUNK_SECONDS = 0.6e-3
+# Token-chunk granularity with fused statistics GEMMs (``piece``), where the budget allows it: the CuTe GEMM's
+# 256-row tiles in two-CTA clusters. Measured on the H100 (``benchmarks/results/lm_head/lm-head-cute-h100/plans``,
+# one-pass GRPO, H=4096, V=151936, T=16384): 2048- and 2560-token chunks 97.7–98.9 ms, 2304 and 2496 (a ragged
+# cluster) 104.5–106.8.
+FUSED_TOKEN_ALIGN = 512
 
 
 def round_down(x: int, k: int) -> int:
@@ -82,7 +87,8 @@ def forward_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: in
     hidden_row = itemsize * width if gather else 0
     if piece is not None:
         per_token = PIECE_BYTES * _pieces(vocab, piece) + hidden_row + TARGET_BYTES
-        return min(n_rows, round_down(budget // per_token, align)), vocab
+        fit = budget // per_token
+        return min(n_rows, round_down(fit, FUSED_TOKEN_ALIGN if fit >= FUSED_TOKEN_ALIGN else align)), vocab
     per_token = 4 * 8 * align + PIECE_BYTES * _pieces(vocab, 8 * align) + hidden_row + TARGET_BYTES
     token_chunk = min(n_rows, round_down(budget // per_token, align))
     spare = max(0, budget - token_chunk * (hidden_row + TARGET_BYTES))
@@ -160,10 +166,11 @@ def two_pass_seconds(n_rows: int, vocab: int, width: int, gather: bool, itemsize
 def _kept_bytes_per_token(vocab: int, itemsize: int, piece: int | None) -> int:
     """A one-pass token's kept logits: fp32 (cuBLAS), or with the fused GEMM (statistics per ``piece`` columns)
     offsets from each piece's max — fp16 for 2-byte inputs, fp32 for fp32 — rows padded to 8, plus the token's
-    ``[5, pieces]`` fp32 statistics."""
+    ``[5, pieces]`` fp32 statistics and the temporaries of merging them (``PIECE_BYTES``; without them the
+    one-pass GRPO loss measured 266 MiB in a 256 MiB workspace on the H100, H=2048, V=65536)."""
     if piece is None:
         return 4 * vocab
-    return (2 if itemsize == 2 else 4) * round_up(vocab, 8) + 20 * _pieces(vocab, piece)
+    return (2 if itemsize == 2 else 4) * round_up(vocab, 8) + PIECE_BYTES * _pieces(vocab, piece)
 
 
 def token_chunk_bounds(n_rows: int, token_chunk: int, seq_bounds=None) -> list[int] | None:
@@ -194,7 +201,7 @@ def max_chunk(bounds) -> int:
 
 def _one_pass_candidates(n_rows, vocab, width, gather, itemsize, budget, align, piece):
     """Each ``(token chunk, vocab chunk)`` the one-pass path can run within ``budget`` (see ``one_pass_plan``)."""
-    token_align = max(1, align // 4)
+    token_align = FUSED_TOKEN_ALIGN if piece else max(1, align // 4)
     for vc in sorted({min(vocab, align << k) for k in range(64) if (align << k) < 2 * vocab}):
         per_token = (_kept_bytes_per_token(vocab, itemsize, piece) + itemsize * vc
                      + width * (4 + (2 * itemsize if gather else 0)))
@@ -212,9 +219,10 @@ def one_pass_plan(n_rows: int, vocab: int, width: int, gather: bool, itemsize: i
 
     Per token of a chunk: its full-vocabulary logits (``_kept_bytes_per_token``), one vocab chunk of dz in the
     input dtype, the fp32 dh accumulator (4·H) and, with a row mask, the gathered hidden row and dh cast to the
-    input dtype for the scatter. Token chunks are multiples of
-    align/4 (64 on the GPU); the vocab chunk (a multiple of align, or all of V) is the one the model rates
-    fastest: longer ones cut the dh read-modify-writes, shorter ones leave room for more tokens.
+    input dtype for the scatter. Token chunks are multiples of align/4 (64 on the GPU), or of FUSED_TOKEN_ALIGN
+    with fused statistics GEMMs where at least that many fit; the vocab chunk (a multiple of align, or all of V) is
+    the one the model rates fastest: longer ones cut the dh read-modify-writes, shorter ones leave room for more
+    tokens.
     """
     best, best_seconds = None, math.inf
     for tc, vc in _one_pass_candidates(n_rows, vocab, width, gather, itemsize, budget, align, piece):

@@ -75,6 +75,22 @@ def dz_from_offsets_config() -> list[dict]:
         "PIECE": gemm.STATS_BLOCK_N, "HAS_GENT": True, "TILE_R": tile_r, "TILE_V": tile_v}, config)]
 
 
+def cute_glue_configs() -> list[dict]:
+    """The CuTe path's two row kernels around its dz GEMM (``lm_head_gemm_cute``)."""
+    from redline.kernels import lm_head_gemm_cute as cute
+
+    rows = {"lse_ptr": "*fp32", "ent_ptr": "*fp32", "glp_ptr": "*fp32", "gent_ptr": "*fp32"}
+    config = triton.Config({}, num_warps=4, num_stages=1)
+    constexprs = {"HAS_GENT": True, "BLOCK": cute.ROWS_BLOCK}
+    terms = compile_config(cute._dz_rows_kernel, {**rows, "out_ptr": "*fp32", "stride_out": "i32", "n_rows": "i32",
+                                                    "inv_temp": "fp32"},
+                           constexprs, config)
+    fix = compile_config(cute._fix_target_kernel, {"dz_ptr": "*bf16", "stride_dz": "i32", "n_rows": "i32",
+                                                   "n_cols": "i32", "y_ptr": "*i64", "col0": "i32", "zy_ptr": "*fp32",
+                                                   **rows, "inv_temp": "fp32"}, constexprs, config)
+    return [terms, fix]
+
+
 if __name__ == "__main__":
     print(json.dumps({"dz": dz_configs(), "stats": stats_configs(False), "stats+offsets": stats_configs(True),
-                      "dz-from-offsets": dz_from_offsets_config()}))
+                      "dz-from-offsets": dz_from_offsets_config(), "cute-glue": cute_glue_configs()}))
