@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     from quack.epilogue.library import identity_epi
 
     for config in STATS_CONFIGS:
-        cute.STATS_CONFIG = config
+        cute.CONFIGS[(9, 0)]["stats"] = config
         ms, error = _try(lambda: cute.gemm_stats(hidden[:tc], weight, targets[:tc], parts, 1.0))
         plain, _ = _try(lambda: identity_epi.gemm(hidden[:tc], weight, logits, epi_args={}, **config))
         results["stats"].append(dict(config=config, ms=ms, plain_gemm_ms=plain, error=error))
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     results["dz_block"] = [tc, vc]
     results["dz_cublas_ms"] = _try(lambda: torch.mm(hidden[:tc], weight[:vc].t(), out=dz))[0]
     for config in DZ_CONFIGS:
-        cute.DZ_CONFIG = config
+        cute.CONFIGS[(9, 0)]["dz"] = config
         ms, error = _try(lambda: cute.gemm_dz(hidden[:tc], weight[:vc], dz, targets[:tc], 0, row_values, 1.0))
         plain, _ = _try(lambda: identity_epi.gemm(hidden[:tc], weight[:vc], dz, epi_args={}, **config))
         results["dz"].append(dict(config=config, ms=ms, plain_gemm_ms=plain, error=error))

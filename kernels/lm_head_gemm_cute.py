@@ -12,7 +12,7 @@ plans, the merge of the statistics and the one-pass path's dz kernel stay as the
                   (``dz_row_terms``); the target column's one-hot term is written afterwards from its exact fp32
                   logit, which the epilogue gathers (``fix_target_column``), so no element of the tile compares
                   column indices.
-Needs an sm_90 GPU, bf16/fp16 inputs, rows of 16-byte multiples and, for the statistics, a vocabulary (shard) that
+Needs an sm_90 GPU (sm_100: compiled, unmeasured, ``CONFIGS``), bf16/fp16 inputs, rows of 16-byte multiples and, for the statistics, a vocabulary (shard) that
 is a multiple of STATS_BLOCK_N (a ragged last tile would add its padding's exp to the sums); ``supported`` says
 which is missing. The host-side glue (``stats_into_parts``, ``dz_row_terms``, ``fix_target_column``) is plain
 torch and runs on CPU tensors in the tests.
@@ -33,7 +33,6 @@ STATS_BLOCK_N = 128  # columns per statistics piece: the CuTe GEMM's tile width
 LOG2E = 1.4426950408889634
 LN2 = math.log(2.0)
 _LOG2E = tl.constexpr(LOG2E)  # what a Triton kernel may read of a global
-CAPABILITY = (9, 0)  # QuACK's warp-specialised sm_90 mainloop; measured on the H100
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,9 +50,9 @@ def why_not(capability: tuple[int, int] | None, dtype: torch.dtype, width: int, 
     ``dtype`` (and, given ``vocab``, the statistics over that many columns), else why not."""
     if capability is None:
         return "the CuTe-DSL GEMMs need CUDA tensors"
-    if capability != CAPABILITY:
-        return (f"compute capability {capability[0]}.{capability[1]} is not sm_90 (QuACK's warp-specialised GEMMs "
-                f"with these epilogues are built and measured for sm_90)")
+    if capability not in CONFIGS:
+        return (f"compute capability {capability[0]}.{capability[1]} has no launch configuration for these GEMMs "
+                f"(sm_90, sm_100)")
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the rows are {dtype}; the CuTe-DSL GEMMs take bf16 or fp16"
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -70,15 +69,27 @@ def supported(hidden: torch.Tensor, vocab: int | None = None) -> str | None:
     return why_not(capability, hidden.dtype, hidden.shape[1], vocab)
 
 
-# QuACK launch configurations (``EpiMod.gemm`` keywords), among the fastest that ``benchmarks/tune_cute_lm_head.py``
-# timed in three H100 sittings (``benchmarks/results/lm_head/lm-head-cute-h100/``; H=4096, V=151936; the best three
-# of each kernel lie within 2–4 % of each other, about the spread between sittings). The statistics tile is
-# STATS_BLOCK_N wide (a piece of the partials). Statistics of a 5120-token chunk over the whole vocabulary:
-# 8.84–9.13 ms with 256-row cooperative tiles (QuACK's plain GEMM of the block 8.44, cuBLAS's 8.48–9.14); dz of a
-# 4096 × 24320 block with 128 × 192 pingpong tiles (one warp group's epilogue runs while the other's mainloop does):
-# 1.08 ms for the GEMM itself, plain GEMM 1.02–1.06.
-STATS_CONFIG = dict(tile_M=256, tile_N=STATS_BLOCK_N, cluster_M=2, cluster_N=1, pingpong=False)
-DZ_CONFIG = dict(tile_M=128, tile_N=192, cluster_M=2, cluster_N=1, pingpong=True)
+# QuACK launch configurations (``EpiMod.gemm`` keywords) per compute capability. The statistics tile is
+# STATS_BLOCK_N wide (a piece of the partials).
+# sm_90: among the fastest that ``benchmarks/tune_cute_lm_head.py`` timed in three H100 sittings
+# (``benchmarks/results/lm_head/lm-head-cute-h100/``; H=4096, V=151936; the best three of each kernel lie within
+# 2–4 % of each other, about the spread between sittings). Statistics of a 5120-token chunk over the whole
+# vocabulary: 8.84–9.13 ms with 256-row cooperative tiles (QuACK's plain GEMM of the block 8.44, cuBLAS's
+# 8.48–9.14); dz of a 4096 × 24320 block with 128 × 192 pingpong tiles (one warp group's epilogue runs while the
+# other's mainloop does): 1.08 ms for the GEMM itself, plain GEMM 1.02–1.06.
+# sm_100: QuACK's own sm_100 shapes (256-row tiles over two-CTA clusters; no pingpong there), compiled on the CPU
+# (``tests/kernels/cute_compile.py``), never run: ``auto`` does not take them (``MEASURED``); ``cute`` does.
+CONFIGS = {
+    (9, 0): {"stats": dict(tile_M=256, tile_N=STATS_BLOCK_N, cluster_M=2, cluster_N=1, pingpong=False),
+             "dz": dict(tile_M=128, tile_N=192, cluster_M=2, cluster_N=1, pingpong=True)},
+    (10, 0): {"stats": dict(tile_M=256, tile_N=STATS_BLOCK_N, cluster_M=2, cluster_N=1, pingpong=False),
+              "dz": dict(tile_M=256, tile_N=256, cluster_M=2, cluster_N=1, pingpong=False)},
+}
+MEASURED = {(9, 0)}  # where REDLINE_LM_HEAD_GEMM=auto takes these GEMMs: measured faster there (H100)
+
+
+def _config(kernel: str, device: torch.device) -> dict:
+    return CONFIGS[torch.cuda.get_device_capability(device)][kernel]
 
 
 def gemm_stats(h, weight, target, parts, inv_temp: float, offsets=None) -> None:
@@ -95,7 +106,7 @@ def gemm_stats(h, weight, target, parts, inv_temp: float, offsets=None) -> None:
     stats.gemm(h, weight, offsets, epi_args=dict(piece_max=STATS_BLOCK_N, piece_max_out=m, sum_exp=s,
                                                  sum_exp_offset=w, target=target.to(torch.int32),
                                                  target_logit=target_logit, inv_temp=float(inv_temp)),
-               **STATS_CONFIG)
+               **_config("stats", h.device))
     stats_into_parts(parts, target, target_logit, weight.shape[0], inv_temp)
 
 
@@ -191,5 +202,5 @@ def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> N
                                                    scale_log2=float(inv_temp * LOG2E),
                                                    target=target - col0,
                                                    target_logit=target_logit),
-                     **DZ_CONFIG)
+                     **_config("dz", h.device))
     fix_target_column(dz, target, col0, target_logit, row_values, inv_temp)

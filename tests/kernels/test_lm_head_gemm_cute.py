@@ -227,7 +227,11 @@ def quack_installed(monkeypatch):
     ("dz", (10, 0), torch.bfloat16, 151936, None), ("stats", None, torch.bfloat16, 151936, None)])
 def test_auto_takes_the_cute_gemms_wherever_they_can_run(quack_installed, kernel, capability, dtype, vocab, chosen):
     """sm_90, bf16/fp16, a vocabulary on the statistics tile: QuACK's GEMMs; otherwise the choice made before them
-    (the Triton dz GEMM on Hopper from AUTO_DZ_MIN_ROWS rows)."""
+    (the Triton dz GEMM on Hopper from AUTO_DZ_MIN_ROWS rows). sm_100 has configurations (``cute`` runs them) but
+    no measurement, so ``auto`` leaves it alone."""
+    from redline.kernels.lm_head_gemm_cute import why_not
+
+    assert why_not((10, 0), torch.bfloat16, 4096, 151936) is None
     from redline.kernels.linear_logprobs_triton import AUTO_DZ_MIN_ROWS, auto_gemm
 
     assert auto_gemm(kernel, capability, dtype, 4096, vocab, AUTO_DZ_MIN_ROWS, None) == chosen
@@ -257,7 +261,7 @@ def test_warm_up_covers_both_cute_kernels_from_one_row_under_auto(quack_installe
 def test_supported_names_what_is_missing():
     from redline.kernels.lm_head_gemm_cute import why_not
 
-    assert "not sm_90" in why_not((8, 0), torch.bfloat16, 4096)
+    assert "8.0 has no launch configuration" in why_not((8, 0), torch.bfloat16, 4096)
     assert "take bf16 or fp16" in why_not((9, 0), torch.float32, 4096)
     assert "multiple of 16 (TMA)" in why_not((9, 0), torch.bfloat16, 4100)
     assert "32003 is not a multiple of 128" in why_not((9, 0), torch.bfloat16, 4096, 32003)
