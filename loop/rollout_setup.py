@@ -331,9 +331,6 @@ class EngineGroup(EngineFanOut):
     async def health(self) -> bool:
         return all(await asyncio.gather(*(e.health() for e in self.engines)))
 
-    async def shutdown(self):
-        await self._all("shutdown")
-
     def _engines(self) -> list:
         return self.engines
 

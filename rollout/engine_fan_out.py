@@ -34,3 +34,6 @@ class EngineFanOut:
 
     async def resume(self):
         await self._all("resume")
+
+    async def shutdown(self):
+        await self._all("shutdown")

@@ -192,7 +192,7 @@ class FaultTolerantEngine(EngineFanOut):
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
-        await self._all("shutdown")
+        await super().shutdown()
 
     def _engines(self) -> list:
         return [slot.engine for slot in self._slots]
