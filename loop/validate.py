@@ -274,9 +274,10 @@ def check_load(load, layout: dict[str, int]) -> None:
                           f"{describe_layout(layout)} (--tensor-model-parallel-size, "
                           f"--pipeline-model-parallel-size, torchrun processes); resume at the saved layout: "
                           f"optimizer shards are not resharded")
-    if saved["dp"] > 1 and saved["pp"] > 1 and saved_rank_order(folder) != RANK_ORDER:
+    order = saved_rank_order(folder) if saved["dp"] > 1 and saved["pp"] > 1 else RANK_ORDER
+    if order != RANK_ORDER:
         raise ConfigError(f"--load {folder}: saved at {describe_layout(saved)} with ranks ordered "
-                          f"{saved_rank_order(folder)} (outermost first); redline now orders them {RANK_ORDER}, so "
+                          f"{order} (outermost first); redline now orders them {RANK_ORDER}, so "
                           f"each rank<r> state belongs to other mesh coordinates: resume it with the redline that "
                           f"saved it")
 
