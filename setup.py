@@ -95,7 +95,7 @@ setup(
     extras_require={
         # quack-kernels: the CuTe-DSL LM-head GEMMs (redline.kernels.lm_head_gemm_cute) on sm_90
         "gpu": ["triton>=3.2", "nvidia-ml-py", "flash-attn-4; platform_system == 'Linux'",
-                "quack-kernels>=0.6.5; platform_system == 'Linux'"],
+                "quack-kernels>=0.6.5,<0.7; platform_system == 'Linux'"],
         "te": ["transformer_engine[pytorch]"],
         "sglang": ["sglang", "sglang-router", "aiohttp"],
         "ray": ["ray[default]>=2.40"],

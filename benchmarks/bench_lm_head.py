@@ -271,8 +271,8 @@ def _policy_path_info(hidden, v, mib, one_pass, seq_bounds=None) -> dict:
 
     t, h = hidden.shape
     mib = POLICY_LOSS_WORKSPACE_BYTES // 2**20 if mib is None else mib
-    # every row selected (the op gathers the mask's rows); fused GEMMs: statistics per piece of columns
-    shape = (t, v, h, True, 2, mib * 2**20, ALIGN, fused_piece(hidden, v))
+    # the mask selects every row, so the op gathers none; fused GEMMs: statistics per piece of columns
+    shape = (t, v, h, False, 2, mib * 2**20, ALIGN, fused_piece(hidden, v))
     if one_pass is None:
         one_pass = lm_head_plan.choose_one_pass(*shape, seq_bounds)
     model = (lm_head_plan.one_pass_seconds(*shape, seq_bounds) if one_pass

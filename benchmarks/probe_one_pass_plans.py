@@ -57,10 +57,14 @@ def main(argv=None) -> int:
 
     chosen = policy.one_pass_plan
     results = dict(environment=collect(), tokens=t, runs=[])
-    results["model_plan"] = None
+
+    def model_plan(*shape):
+        results["model_plan"] = chosen(*shape)
+        return results["model_plan"]
+
     for plan in [None] + [tuple(map(int, p.split(","))) for p in args.plans]:
         if plan is None:
-            policy.one_pass_plan = chosen
+            policy.one_pass_plan = model_plan
         else:
             policy.one_pass_plan = lambda *a, plan=plan, **k: plan
         ms = _time(step)

@@ -1,8 +1,9 @@
 """Which implementation a kernel call runs: Triton for CUDA tensors, PyTorch for CPU tensors.
 
 ``REDLINE_KERNELS_BACKEND=torch|triton`` overrides the choice for every op; ``triton`` on CPU tensors runs
-Triton's interpreter and needs ``TRITON_INTERPRET=1``. ``REDLINE_LM_HEAD_GEMM=auto|cublas|triton|triton-dz|cute|cute-dz``
-picks the Triton path's LM-head GEMMs (``lm_head_gemm``).
+Triton's interpreter and needs ``TRITON_INTERPRET=1``.
+``REDLINE_LM_HEAD_GEMM=auto|cublas|triton|triton-dz|cute|cute-dz`` picks the Triton path's LM-head GEMMs
+(``lm_head_gemm``).
 """
 
 import os

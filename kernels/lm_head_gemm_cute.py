@@ -12,8 +12,8 @@ plans, the merge of the statistics and the one-pass path's dz kernel stay as the
                   (``dz_row_terms``); the target column's one-hot term is written afterwards from its exact fp32
                   logit, which the epilogue gathers (``fix_target_column``), so no element of the tile compares
                   column indices.
-Needs an sm_90 GPU (sm_100: compiled, unmeasured, ``CONFIGS``), bf16/fp16 inputs, rows of 16-byte multiples and, for the statistics, a vocabulary (shard) that
-is a multiple of STATS_BLOCK_N (a ragged last tile would add its padding's exp to the sums); ``supported`` says
+Needs an sm_90 GPU (sm_100: compiled, unmeasured, ``CONFIGS``), bf16/fp16 inputs, rows of 16-byte multiples and,
+for the statistics, a vocabulary (shard) that is a multiple of STATS_BLOCK_N (a ragged last tile would add its padding's exp to the sums); ``supported`` says
 which is missing. The host-side glue (``stats_into_parts``, ``dz_row_terms``, ``fix_target_column``) is plain
 torch and runs on CPU tensors in the tests.
 """
@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .linear_logprobs_triton import _interpreting, dz_value
-from .lm_head_gemm_triton import STRIDE_ALIGN, dz_from_offsets, offset_dtype  # noqa: F401  (same contracts)
+from . import lm_head_gemm_triton
+from .lm_head_gemm_triton import STRIDE_ALIGN, offset_dtype  # noqa: F401  (the same contracts)
 
 STATS_BLOCK_N = 128  # columns per statistics piece: the CuTe GEMM's tile width
 LOG2E = 1.4426950408889634
@@ -37,11 +38,12 @@ _LOG2E = tl.constexpr(LOG2E)  # what a Triton kernel may read of a global
 
 @functools.lru_cache(maxsize=None)
 def quack_missing() -> str | None:
-    """None when QuACK's epilogue frontend imports, else why not (checked once per process)."""
+    """None when the epilogues import (QuACK and CUTLASS's DSL, the pieces of QuACK they use), else why not
+    (checked once per process): an ``auto`` choice never meets a QuACK that cannot build them."""
     try:
-        import quack.epilogue.frontend  # noqa: F401
-    except ImportError as exc:
-        return f"QuACK is not importable ({exc}); pip install 'redline[gpu]'"
+        from . import lm_head_cute_epilogues  # noqa: F401
+    except Exception as exc:  # an older or newer QuACK, a DSL that fails to load: not usable, say why
+        return f"QuACK's epilogue frontend is not usable ({type(exc).__name__}: {exc}); pip install 'redline[gpu]'"
     return None
 
 
@@ -186,6 +188,12 @@ def fix_target_column(dz, target, col0: int, target_logit, row_values, inv_temp:
         dz, dz.stride(0), n_rows, dz.shape[1], target, col0, target_logit, lse, entropy, grad_logp,
         grad_entropy if grad_entropy is not None else grad_logp, inv_temp, HAS_GENT=grad_entropy is not None,
         BLOCK=ROWS_BLOCK)
+
+
+def dz_from_offsets(offsets, piece_max, dz, target, col0: int, row_values, inv_temp: float) -> None:
+    """``lm_head_gemm_triton.dz_from_offsets`` over this module's statistics pieces (STATS_BLOCK_N columns)."""
+    lm_head_gemm_triton.dz_from_offsets(offsets, piece_max, dz, target, col0, row_values, inv_temp,
+                                        piece=STATS_BLOCK_N)
 
 
 def gemm_dz(h, w_chunk, dz, target, col0: int, row_values, inv_temp: float) -> None:

@@ -213,17 +213,18 @@ def gemm_stats(h, weight, target, parts, inv_temp: float, offsets=None) -> None:
 OFFSETS_TILE = (8, 16) if _interpreting() else (16, 256)
 
 
-def dz_from_offsets(offsets, piece_max, dz, target, col0: int, row_values, inv_temp: float) -> None:
+def dz_from_offsets(offsets, piece_max, dz, target, col0: int, row_values, inv_temp: float,
+                    piece: int = STATS_BLOCK_N) -> None:
     """dz ``[t, vc]`` (contiguous, input dtype) of vocabulary columns col0…col0+vc−1 from the one-pass path's kept
-    logits: ``offsets [t, V]`` (``offset_dtype``) and ``piece_max [t, cdiv(V, STATS_BLOCK_N)]`` fp32
-    (``gemm_stats``'s m). ``row_values`` as ``gemm_dz``'s."""
+    logits: ``offsets [t, V]`` (``offset_dtype``) and ``piece_max [t, cdiv(V, piece)]`` fp32 (``gemm_stats``'s m,
+    one per ``piece`` columns: the statistics GEMM's piece width). ``row_values`` as ``gemm_dz``'s."""
     lse, entropy, grad_logp, grad_entropy = row_values
     n_rows, n_cols = dz.shape
     tile_r, tile_v = OFFSETS_TILE
     grid = (triton.cdiv(n_rows, tile_r), triton.cdiv(n_cols, tile_v))
     _dz_from_offsets_kernel[grid](offsets, offsets.stride(0), piece_max, piece_max.shape[1], dz, target, col0, lse,
                                   entropy, grad_logp, grad_entropy if grad_entropy is not None else grad_logp,
-                                  n_rows, n_cols, inv_temp, PIECE=STATS_BLOCK_N, HAS_GENT=grad_entropy is not None,
+                                  n_rows, n_cols, inv_temp, PIECE=piece, HAS_GENT=grad_entropy is not None,
                                   TILE_R=tile_r, TILE_V=tile_v, num_warps=4)
 
 

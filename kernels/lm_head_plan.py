@@ -37,7 +37,7 @@ HBM_BYTES_PER_S = 3.0e12  # H100 HBM3, achievable
 # 134 ms at 256 MiB (384-token chunks) where 160.5 ms was measured, 107 vs 113 ms at 1 GiB (1472-token chunks).
 ONE_PASS_CHUNK_SECONDS = 0.6e-3
 # Token-chunk granularity with fused statistics GEMMs (``piece``), where the budget allows it: the CuTe GEMM's
-# 256-row tiles in two-CTA clusters. Measured on the H100 (``benchmarks/results/lm_head/lm-head-cute-h100/plans``,
+# 256-row tiles in two-CTA clusters (Triton's fused statistics GEMM, 128-row tiles, follows it too, unmeasured). Measured on the H100 (``benchmarks/results/lm_head/lm-head-cute-h100/plans``,
 # one-pass GRPO, H=4096, V=151936, T=16384): 2048- and 2560-token chunks 97.7–98.9 ms, 2304 and 2496 (a ragged
 # cluster) 104.5–106.8.
 FUSED_TOKEN_ALIGN = 512

@@ -76,6 +76,9 @@ def _fused_module(kernel: str, weight: torch.Tensor):
     if choice == LM_HEAD_GEMM_AUTO:
         capability = torch.cuda.get_device_capability(weight.device)
         choice = auto_gemm(kernel, capability, weight.dtype, weight.shape[1], weight.shape[0], AUTO_DZ_MIN_ROWS, None)
+    if choice is None:
+        raise ValueError(f"no fused {kernel} GEMM runs on {weight.dtype} rows of {weight.shape[1]} here: "
+                         f"reachable() lists none to tune")
     return importlib.import_module(f"redline.kernels.{lm_head_gemm_module(choice)}")
 
 
