@@ -111,27 +111,16 @@ def dz_tile(z, cols, r, row_ok, y_ptr, col0, lse_ptr, ent_ptr, glp_ptr, gent_ptr
     """``dz = (1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` (fp32) of a tile of temperature-scaled logits ``z``
     (rows ``r``, valid where ``row_ok``; columns ``cols``, column c being id ``c + col0`` of y's target ids), with
     the per-row lse, entropy, g_lp, g_H loaded here. Every Triton dz kernel (cuBLAS epilogue, fused GEMM, one-pass
-    offsets) computes it through this one function, and the CuTe path's target column through ``dz_value``."""
+    offsets, and the CuTe path's target column as a one-column tile) computes it through this one function."""
     lse = tl.load(lse_ptr + r, mask=row_ok, other=0.0)
     g_lp = tl.load(glp_ptr + r, mask=row_ok, other=0.0)
     target = tl.load(y_ptr + r, mask=row_ok, other=-1) - col0  # masked rows: below 0, never a column
-    sum_pz = lse
-    g_ent = g_lp
-    if HAS_GENT:
+    p = tl.exp(z - lse[:, None])
+    dz = g_lp[:, None] * ((cols[None, :] == target[:, None]).to(tl.float32) - p)
+    if HAS_GENT:  # loaded after the first term: loaded before it, the 128×256 dz GEMM spilled 304 bytes, not 120
         sum_pz = lse - tl.load(ent_ptr + r, mask=row_ok, other=0.0)
         g_ent = tl.load(gent_ptr + r, mask=row_ok, other=0.0)
-    return dz_value(z, cols[None, :] == target[:, None], lse[:, None], g_lp[:, None], sum_pz[:, None],
-                    g_ent[:, None], inv_temp, HAS_GENT)
-
-
-@triton.jit
-def dz_value(z, is_target, lse, g_lp, sum_pz, g_ent, inv_temp, HAS_GENT: tl.constexpr):
-    """``(1/τ)·[g_lp·(onehot − p) − g_H·p·(z − Σp z)]`` (fp32) elementwise, from the logit z, whether it is the target,
-    and its row's lse, g_lp, Σp z and g_H (broadcastable; the last two unused without HAS_GENT)."""
-    p = tl.exp(z - lse)
-    dz = g_lp * (is_target.to(tl.float32) - p)
-    if HAS_GENT:
-        dz -= g_ent * p * (z - sum_pz)
+        dz -= g_ent[:, None] * p * (z - sum_pz[:, None])
     return dz * inv_temp
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear_logprobs_triton import _interpreting, dz_value
+from .linear_logprobs_triton import _interpreting, dz_tile
 from . import lm_head_gemm_triton
 from .lm_head_gemm_triton import STRIDE_ALIGN, offset_dtype  # noqa: F401  (the same contracts)
 
@@ -166,15 +166,11 @@ def _fix_target_kernel(dz_ptr, stride_dz, n_rows, n_cols, y_ptr, col0, zy_ptr, l
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     local = tl.load(y_ptr + r, mask=r < n_rows, other=-1) - col0
     inside = (r < n_rows) & (local >= 0) & (local < n_cols)
-    lse = tl.load(lse_ptr + r, mask=inside, other=0.0)
-    sum_pz = lse
-    g_ent = lse
-    if HAS_GENT:
-        sum_pz = lse - tl.load(ent_ptr + r, mask=inside, other=0.0)
-        g_ent = tl.load(gent_ptr + r, mask=inside, other=0.0)
-    z = tl.load(zy_ptr + r, mask=inside, other=0.0) * inv_temp
-    dz = dz_value(z, inside, lse, tl.load(glp_ptr + r, mask=inside, other=0.0), sum_pz, g_ent, inv_temp, HAS_GENT)
-    tl.store(dz_ptr + r.to(tl.int64) * stride_dz + local, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+    # each row's target column as a one-column tile: column 0 is the target id of every row inside the block
+    z = tl.load(zy_ptr + r, mask=inside, other=0.0)[:, None] * inv_temp
+    dz = dz_tile(z, tl.zeros((1,), tl.int32), r, inside, y_ptr, col0 + local, lse_ptr, ent_ptr, glp_ptr, gent_ptr,
+                 inv_temp, HAS_GENT)
+    tl.store(dz_ptr + r.to(tl.int64) * stride_dz + local, tl.sum(dz, axis=1).to(dz_ptr.dtype.element_ty), mask=inside)
 
 
 def fix_target_column(dz, target, col0: int, target_logit, row_values, inv_temp: float) -> None:
