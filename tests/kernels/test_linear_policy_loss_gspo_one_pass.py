@@ -13,12 +13,13 @@ import math
 import pytest
 import torch
 
-from redline.kernels import LossConfig, fused_linear_policy_loss, linear_policy_loss, lm_head_plan
+from redline.kernels import LossConfig, linear_policy_loss, lm_head_plan
 from redline.kernels.loss_config import AGG_MODES, KL_TYPES, TIS_MODES
 from redline.kernels.reference import linear_logprobs_reference, linear_policy_loss_reference
+from tests.kernels.policy_inputs import TEMPERATURE
+from tests.kernels.policy_inputs import run as run_policy_loss
 
 T, H, V = 40, 16, 141
-TEMPERATURE = 0.8
 CU_SEQLENS = torch.tensor([0, 3, 8, 8, 14, 15, 22, 26, 33, 40], dtype=torch.int32)
 WORKSPACE = 7000  # bytes: 8 tokens' logits a chunk (CPU and interpreter alike), the longest sequence 7 tokens
 TOO_SMALL = 4500  # bytes: 5 tokens a chunk on the CPU path, fewer than the longest masked sequence has
@@ -47,15 +48,8 @@ def make_config(agg: str, i: int) -> LossConfig:
 
 
 def run(inputs, cfg, cu_seqlens=CU_SEQLENS, **options):
-    """(loss, metrics, d_hidden, d_weight) of fused_linear_policy_loss, gradients of 2.5·loss."""
-    hidden = inputs["hidden"].clone().requires_grad_()
-    weight = inputs["weight"].clone().requires_grad_()
-    loss, metrics = fused_linear_policy_loss(hidden, weight, inputs["targets"], inputs["old_logp"],
-                                             inputs["advantages"], inputs["mask"], cfg=cfg, temperature=TEMPERATURE,
-                                             ref_logp=inputs["ref_logp"], rollout_logp=inputs["rollout_logp"],
-                                             cu_seqlens=cu_seqlens, **options)
-    (2.5 * loss).backward()
-    return loss.detach(), metrics, hidden.grad, weight.grad
+    """``policy_inputs.run`` over this module's nine sequences."""
+    return run_policy_loss(inputs, cfg, cu_seqlens, **options)
 
 
 def recorded_chunks(monkeypatch) -> list:

@@ -17,7 +17,7 @@ from redline.kernels import LossConfig, fused_linear_policy_loss
 from redline.kernels import linear_policy_loss, lm_head_plan
 from redline.kernels.loss_config import AGG_MODES, KL_TYPES, TIS_MODES
 from redline.kernels.reference import linear_policy_loss_reference
-from tests.kernels.policy_inputs import CU_SEQLENS, H, T, TEMPERATURE, V, make_inputs
+from tests.kernels.policy_inputs import CU_SEQLENS, H, T, TEMPERATURE, V, make_inputs, run
 
 SMALL_WORKSPACE = 3000  # bytes: ≥ 4 token chunks × ≥ 3 vocab chunks at this shape (see the first test)
 
@@ -27,18 +27,6 @@ def make_config(estimator, kl_type, tis, agg):
                       entropy_coef=0.01, tis=tis, tis_clip_low=0.5, tis_clip=2.0, agg=agg,
                       agg_constant=16.0 if agg == "seq-mean-token-sum-norm" else None,
                       eps_clip_c=3.0 if estimator == "ppo" else None)
-
-
-def run(inputs, cfg, **options):
-    """(loss, metrics, d_hidden, d_weight) of fused_linear_policy_loss, gradients of 2.5·loss."""
-    hidden = inputs["hidden"].clone().requires_grad_()
-    weight = inputs["weight"].clone().requires_grad_()
-    loss, metrics = fused_linear_policy_loss(hidden, weight, inputs["targets"], inputs["old_logp"],
-                                             inputs["advantages"], inputs["mask"], cfg=cfg, temperature=TEMPERATURE,
-                                             ref_logp=inputs["ref_logp"], rollout_logp=inputs["rollout_logp"],
-                                             cu_seqlens=CU_SEQLENS, **options)
-    (2.5 * loss).backward()
-    return loss.detach(), metrics, hidden.grad, weight.grad
 
 
 def assert_matches_reference(inputs, cfg, got):
