@@ -26,6 +26,7 @@ import pytest
 import torch
 import transformers
 
+from cuda_timing import cuda_time_ms
 from redline.extras import available
 from redline.trainer.layers import layer_backend
 from redline.trainer.models import from_config
@@ -107,20 +108,6 @@ def attention_impl(model) -> str:
     """What core attention ``model``'s layers run (recorded with every case)."""
     impl = getattr(model.backend, "attention_impl", None)
     return impl or f"redline:{varlen_attention_impl('cuda', torch.bfloat16)}"
-
-
-def cuda_time_ms(fn, rounds=ROUNDS, warmup=WARMUP) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 @pytest.fixture(scope="module")

@@ -9,28 +9,14 @@ Median ms of 10 fwd+bwd calls after 3 warm-ups per plan, beside the plan the mod
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from cuda_timing import cuda_time_ms
 
 from redline.env_report import collect
 from redline.kernels import LossConfig, fused_linear_policy_loss
 from redline.kernels import linear_policy_loss as policy
-
-
-def _time(step, calls=10) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -67,7 +53,7 @@ def main(argv=None) -> int:
             policy.one_pass_plan = model_plan
         else:
             policy.one_pass_plan = lambda *a, plan=plan, **k: plan
-        ms = _time(step)
+        ms = cuda_time_ms(step)
         results["runs"].append(dict(plan=plan or "model", ms=round(ms, 2)))
         print(plan or "model", round(ms, 2), flush=True)
     policy.one_pass_plan = chosen

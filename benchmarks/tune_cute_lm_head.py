@@ -11,10 +11,10 @@ in the same configuration: what the epilogue costs), and of the dz epilogue cut 
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+from cuda_timing import cuda_time_ms
 
 from redline.env_report import collect
 from redline.kernels import lm_head_gemm_cute as cute
@@ -29,24 +29,9 @@ DZ_CONFIGS = ([dict(tile_M=128, tile_N=n, cluster_M=2, cluster_N=1, pingpong=Tru
                  for cm, cn in ((2, 1), (1, 2))])
 
 
-def _median_ms(fn, calls=20) -> float:
-    fn()
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _try(fn):
     try:
-        return round(_median_ms(fn), 3), None
+        return round(cuda_time_ms(fn, rounds=20, warmup=4), 3), None
     except Exception as exc:  # a configuration QuACK refuses is a result, not a crash
         return None, f"{type(exc).__name__}: {str(exc)[:300]}"
 
