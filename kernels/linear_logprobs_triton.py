@@ -266,11 +266,10 @@ def auto_gemm(kernel: str, capability: tuple[int, int] | None, dtype: torch.dtyp
               n_rows: int, triton_why_not: str | None) -> str | None:
     """The ``LM_HEAD_GEMM_KERNELS`` choice ``auto`` runs ``kernel`` (``"stats"``, ``"dz"``) with, None for cuBLAS +
     epilogue: QuACK's CuTe GEMMs wherever they can run (``lm_head_gemm_cute.why_not``) on a GPU they were measured on
-    (``lm_head_gemm_cute.MEASURED``): faster than both
-    other paths for both kernels on the H100 (fwd+bwd 122.8–124.0 against 128.1–137.6 ms at H=4096, V=151936,
-    T=16384; 29.5 against 32.3–33.3 at T=4096; ``benchmarks/results/lm_head/lm-head-cute-h100/final``); else the
-    Triton dz GEMM
-    where ``auto_fused_dz`` says so (``triton_why_not``: ``lm_head_gemm_triton.supported``'s answer)."""
+    (``lm_head_gemm_cute.MEASURED``), faster there than both other paths for both kernels (H100, H=4096,
+    V=151936: fwd+bwd 122.8–124.0 against 128.1–137.6 ms at T=16384, 29.5 against 32.3–33.3 at T=4096;
+    ``benchmarks/results/lm_head/lm-head-cute-h100/final``); else the Triton dz GEMM where ``auto_fused_dz`` says so
+    (``triton_why_not``: ``lm_head_gemm_triton.supported``'s answer)."""
     from . import lm_head_gemm_cute
 
     if (capability in lm_head_gemm_cute.MEASURED

@@ -9,13 +9,12 @@ from the table, ``tuning_table.apply``, is not timed again) and Triton compiles 
 CUDA only.
 """
 
-import importlib
-
 import torch
 
 from . import lm_head_gemm_triton
-from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm, lm_head_gemm_module
-from .linear_logprobs_triton import ALIGN, AUTO_DZ_MIN_ROWS, POLICY_LOSS_WORKSPACE_BYTES, WORKSPACE_BYTES, auto_gemm
+from .backend import LM_HEAD_GEMM_AUTO, LM_HEAD_GEMM_KERNELS, lm_head_gemm
+from .linear_logprobs_triton import (ALIGN, AUTO_DZ_MIN_ROWS, POLICY_LOSS_WORKSPACE_BYTES, WORKSPACE_BYTES, auto_gemm,
+                                     fused_gemm)
 from .lm_head_plan import round_up
 from .tuning_buckets import dz_tuning_shapes, stats_tuning_shapes
 
@@ -69,21 +68,18 @@ def tune(weight: torch.Tensor, shapes: dict, progress=None) -> int:
     return len(blocks)
 
 
-def _fused_module(kernel: str, weight: torch.Tensor):
-    """The module whose ``kernel`` (``"stats"``, ``"dz"``) ``REDLINE_LM_HEAD_GEMM`` runs on ``weight``'s GPU for the
-    calls ``reachable`` lists."""
-    choice = lm_head_gemm()
-    if choice == LM_HEAD_GEMM_AUTO:
-        capability = torch.cuda.get_device_capability(weight.device)
-        choice = auto_gemm(kernel, capability, weight.dtype, weight.shape[1], weight.shape[0], AUTO_DZ_MIN_ROWS, None)
-    if choice is None:
-        raise ValueError(f"no fused {kernel} GEMM runs on {weight.dtype} rows of {weight.shape[1]} here: "
+def _fused_module(h, kernel: str, vocab: int):
+    """The module whose ``kernel`` (``"stats"`` over ``vocab`` columns, ``"dz"``) the op runs on rows like ``h`` in
+    the calls ``reachable`` lists (``auto``: calls of at least AUTO_DZ_MIN_ROWS rows, where its dz choice is made)."""
+    module = fused_gemm(h, kernel, AUTO_DZ_MIN_ROWS, vocab)
+    if module is None:
+        raise ValueError(f"no fused {kernel} GEMM runs on {h.dtype} rows of {h.shape[1]} here: "
                          f"reachable() lists none to tune")
-    return importlib.import_module(f"redline.kernels.{lm_head_gemm_module(choice)}")
+    return module
 
 
 def _run_dz(h, w_chunk, target) -> None:
-    gemm = _fused_module("dz", w_chunk)
+    gemm = _fused_module(h, "dz", w_chunk.shape[0])
     rows, cols = h.shape[0], w_chunk.shape[0]
     dz = torch.empty(rows, round_up(cols, gemm.STRIDE_ALIGN), dtype=h.dtype, device=h.device)[:, :cols]
     row = torch.zeros(rows, dtype=torch.float32, device=h.device)
@@ -92,7 +88,7 @@ def _run_dz(h, w_chunk, target) -> None:
 
 
 def _run_stats(h, weight, target) -> None:
-    gemm = _fused_module("stats", weight)
+    gemm = _fused_module(h, "stats", weight.shape[0])
     rows, vocab = h.shape[0], weight.shape[0]
     pieces = -(-vocab // gemm.STATS_BLOCK_N)
     parts = torch.empty(5, rows, pieces, dtype=torch.float32, device=h.device)
