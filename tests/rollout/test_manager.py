@@ -82,7 +82,7 @@ def test_partial_rollout_returns_unfinished_groups_and_continues_them(model_dir,
         manager.rollout_batch_size = manager.over_sampling_batch_size = 2  # exactly the two buffered groups
         second = await manager.generate_rollout()
         return first, buffered, second
-    params = SamplingParams(max_new_tokens=300)
+    params = SamplingParams(max_new_tokens=300, ignore_eos=True)  # no sample of groups 1, 2 may end on its own
     first, buffered, second = run_manager(
         model_dir, dataset, two_steps, max_seq_len=400, max_batch_size=4, rollout_batch_size=1,
         n_samples_per_prompt=2,
