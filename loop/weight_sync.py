@@ -116,7 +116,10 @@ class WeightSync:
       the engine copies the export itself and the result is compared, or pack + fused load with checksums
       (``redline.sync.local``);
     * ``sglang``: SGLang's ``/update_weights_from_tensor`` (the engine packs bucket k+1 while the server loads
-      bucket k), then its ``/weights_checker`` hashes against the sent tensors: the only check SGLang offers;
+      bucket k). Servers that load through redline's checked loader (those redline launches:
+      ``redline.rollout.sglang.checked_load``) checksum their parameters after each load, sampled rows (all
+      with --check-weights), against the checksum the trainer took while packing; others are checked after
+      the push by their ``/weights_checker`` hashes of every parameter;
     * ``sglang-tp``: an SGLang engine of several GPUs colocated with the trainer ranks on them (``seat``, from
       ``redline.loop.engine_placement``): every rank of the seat packs each bucket on its own GPU and the
       payloads are gathered to the seat's leader, which sends slime's per-rank list in one request
@@ -170,6 +173,8 @@ class WeightSync:
             self.mode = "sglang-tp"
         else:
             self.mode = "sglang" if hasattr(engine, "verify_weights") else "unchecked"
+            if self.mode == "sglang":
+                engine.checksum_row_stride = self.row_stride
 
     async def release(self) -> None:
         """After a rollout: with ``--offload-rollout``, free the engine's weights and KV cache for training
@@ -221,7 +226,7 @@ class WeightSync:
         await self._timed("perf/sync_time", self._sync(version))
         if handled is not None:
             self.timings["perf/sync_sglang_time"] = self.engine.handling_seconds - before_sync
-        if self.mode == "sglang":
+        if self.mode == "sglang" and not self.engine.last_push_checked:
             await self._timed("perf/check_weights_time", self.engine.verify_weights(self.model.export_hf()))
         if self.train is not None:  # the compute weights last: the push and its check read them
             state_seconds = self.timings["perf/pause_train_time"]

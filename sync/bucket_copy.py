@@ -12,6 +12,8 @@ of tensors: the per-tensor Python and launch overhead of a copy loop is gone too
 * ``unpack(flat, nbytes, spans, tensors, acc)``: ``flat[start_i:end_i]`` -> ``tensors[i]`` (a receiver's load;
   a ``None`` tensor is checksummed, not copied)
 * ``checksum(flat, nbytes, acc)``: checksum only (the zero-copy sender)
+* ``gather_checksum(flat, nbytes, spans, tensors, acc)``: the checksum ``pack`` would give, read from the
+  tensors where they lie, nothing copied (an engine checking the parameters it loaded against the bucket)
 
 ``acc`` is one bucket's ``[LANES, 2]`` int64 accumulator (``checksum.new_accumulator``), added to, never reset.
 Tensors are addressed by their distance from one base pointer (a table per bucket, cached by addresses), so
@@ -75,6 +77,14 @@ class BucketCopier:
         """Checksum of ``flat[:nbytes]`` only."""
         self._run("checksum", flat, nbytes, [(0, nbytes)], [None], acc, row_stride)
 
+    def gather_checksum(self, flat: torch.Tensor, nbytes: int, spans: Sequence[tuple[int, int]],
+                        tensors: Sequence[torch.Tensor], acc: torch.Tensor, row_stride: int = 1) -> None:
+        """The checksum ``pack(flat, nbytes, spans, tensors, ...)`` would accumulate, read from ``tensors``
+        in place: neither they nor ``flat`` (only the address origin and the byte count) are written."""
+        if any(t is None for t in tensors):
+            raise ValueError("gather_checksum needs a tensor for every span")
+        self._run("gather", flat, nbytes, spans, tensors, acc, row_stride)
+
     # -----------------------------------------------------------------------------------------------------
     def _run(self, direction, flat, nbytes, spans, tensors, acc, row_stride):
         if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < nbytes:
@@ -102,6 +112,12 @@ class BucketCopier:
 
     @staticmethod
     def _torch(direction, flat, nbytes, spans, tensors, acc, row_stride):
+        if direction == "gather":  # the bucket's bytes as pack would leave them, in a scratch copy
+            scratch = torch.zeros(nbytes, dtype=torch.uint8, device=flat.device)
+            for (s, e), t in zip(spans, tensors):
+                scratch[s:e] = t.contiguous().view(-1).view(torch.uint8)
+            acc[0] += bucket_checksum(scratch, nbytes, row_stride)
+            return
         pairs = [(flat[s:e].view(t.dtype).view(t.shape), t) for (s, e), t in zip(spans, tensors) if t is not None]
         if direction == "pack" and pairs:
             torch._foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
@@ -125,7 +141,7 @@ class BucketCopier:
         last_row = -(-nbytes // ROW_BYTES) - 1
         base = flat[:nbytes - nbytes % unit].view(_UNIT_DTYPES[unit])
         kernel.launch(base, table, owner, acc, programs, row_stride, last_row, unit=unit, vec=vec,
-                      copy=direction != "checksum")
+                      copy=direction in ("pack", "unpack"))
 
     def _table(self, direction, flat, spans, ptrs):
         """The kernel's per-tensor table (see bucket_copy_triton) and its piece -> tensor map."""
@@ -139,7 +155,7 @@ class BucketCopier:
         for (start, end), ptr, first in zip(spans, ptrs, firsts):
             pos = start // unit
             other = (ptr - flat_ptr) // unit if ptr is not None else pos  # distances from the flat bucket
-            src, dst = (other, pos) if direction == "pack" else (pos, other)
+            src, dst = (other, pos) if direction in ("pack", "gather") else (pos, other)
             rows.append([src, dst, pos, (end - start) // unit, first, int(ptr is not None)])
         return _to_device(torch.tensor(rows, dtype=torch.int64), flat.device), owner, len(owner), unit, vec
 

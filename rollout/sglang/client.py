@@ -77,6 +77,7 @@ class SGLangClient:
         self.timeout = timeout
         self.in_flight = 0  # generate calls running through this client, kept by the engine's router
         self.version: Version | None = None
+        self._info: dict | None = None
         self._session = None
 
     def _http(self):
@@ -100,17 +101,27 @@ class SGLangClient:
             except ValueError:
                 return reply.status, text
 
-    async def server_version(self) -> Version:
-        """The server's SGLang version (``/server_info``, or ``/get_server_info`` on older servers)."""
-        if self.version is None:
+    async def server_info(self) -> dict:
+        """The server's ``/server_info`` (``/get_server_info`` on older servers): its version and arguments."""
+        if self._info is None:
             for path in ("/server_info", "/get_server_info"):
                 status, info = await self.request("GET", path, ok=(200, 404))
                 if status == 200 and isinstance(info, dict) and "version" in info:
-                    self.version = Version(info["version"])
+                    self._info = info
                     break
             else:
                 raise SGLangError(f"{self.url}: neither /server_info nor /get_server_info reports a version")
+        return self._info
+
+    async def server_version(self) -> Version:
+        """The server's SGLang version."""
+        if self.version is None:
+            self.version = Version((await self.server_info())["version"])
         return self.version
+
+    async def weight_loaders(self) -> list[str]:
+        """The custom weight loaders the server accepts as a ``load_format`` (``--custom-weight-loader``)."""
+        return list((await self.server_info()).get("custom_weight_loader") or [])
 
     async def generate(self, request: GenerateRequest, fallback_version: str) -> GenerateResult:
         _, body = await self.request("POST", "/generate", {

@@ -19,7 +19,8 @@ from redline.rollout.engine import (
     iterate_buckets,
 )
 from redline.rollout.sglang.client import SGLangClient
-from redline.rollout.sglang.payload import serialize_bucket
+from redline.rollout.sglang.checked_load import LOADER
+from redline.rollout.sglang.payload import CheckedPacker, serialize_bucket
 from redline.rollout.sglang.server import ManagedProcess, launch_router, launch_servers
 from redline.rollout.sglang.weight_check import compare_checksums, expected_checksums
 from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
@@ -37,10 +38,14 @@ class SGLangEngine:
     ``handling_seconds``: wall seconds spent waiting on the servers' answers to control calls (weight updates,
     memory release and resume, ``/weights_checker``; all servers at once count once), summed since the engine was
     made: SGLang's own handling, read before and after a phase to tell it from the caller's work.
+    ``checked_loads``: whether the servers load through redline's checked loader (``checked_load``; True for
+    servers launched here with TP = 1, None: asked of each server at the first push); ``checksum_row_stride``:
+    the rows that check reads (1: all; the loop sets it from ``--check-weights``). ``last_push_checked``: the
+    last ``update_weights`` checked every server's parameters itself, so no ``verify_weights`` is needed.
     """
 
     def __init__(self, worker_urls: list[str], *, router_url: str | None = None, tp_size: int = 1,
-                 owned: list[ManagedProcess] = (), weight_version: str = "0"):
+                 owned: list[ManagedProcess] = (), weight_version: str = "0", checked_loads: bool | None = None):
         if not worker_urls:
             raise ValueError("SGLangEngine needs at least one worker url")
         self.workers = [SGLangClient(u) for u in worker_urls]
@@ -51,6 +56,9 @@ class SGLangEngine:
         self._paused = False
         self._weight_group: str | None = None
         self.handling_seconds = 0.0
+        self.checked_loads = checked_loads if tp_size == 1 else False
+        self.checksum_row_stride = 1
+        self.last_push_checked = False
 
     # Disaggregated sync (``redline.loop.weight_sync.BroadcastWeightSync``): the GPUs this engine joins the
     # trainer's weight-update group with, and whether they take part in redline's bucket-checksum comparison
@@ -75,7 +83,7 @@ class SGLangEngine:
         if len(base_gpu_ids) != num_engines:
             raise ValueError(f"base_gpu_ids has {len(base_gpu_ids)} entries for num_engines={num_engines}")
         servers = launch_servers(model_path, base_gpu_ids, tp_size=tp_size, extra_args=list(sglang_args),
-                                 log_dir=log_dir, **server_kwargs)
+                                 log_dir=log_dir, weight_loaders=[LOADER] if tp_size == 1 else [], **server_kwargs)
         urls = [s.url for s in servers]
         if use_router is None:
             use_router = num_engines > 1 and available("sglang_router")
@@ -86,7 +94,8 @@ class SGLangEngine:
                 s.stop()
             raise
         owned = servers + ([router] if router else [])
-        return cls(urls, router_url=router.url if router else None, tp_size=tp_size, owned=owned)
+        return cls(urls, router_url=router.url if router else None, tp_size=tp_size, owned=owned,
+                   checked_loads=tp_size == 1)
 
     async def _generate_one(self, request: GenerateRequest) -> GenerateResult:
         if self._paused:  # the servers abort what they hold; what arrives while paused is not sent at all
@@ -105,9 +114,14 @@ class SGLangEngine:
 
     async def _all(self, method: str, *args) -> list:
         """``method`` on every server at once; its wall time counts in ``handling_seconds``."""
+        return await self._each(method, [args] * len(self.workers))
+
+    async def _each(self, method: str, args_per_server: list[tuple]) -> list:
+        """``method`` on every server at once, server i with ``args_per_server[i]``; timed as ``_all``."""
         start = time.perf_counter()
         try:
-            return await asyncio.gather(*(getattr(w, method)(*args) for w in self.workers))
+            return await asyncio.gather(*(getattr(w, method)(*args) for w, args in zip(self.workers,
+                                                                                       args_per_server)))
         finally:
             self.handling_seconds += time.perf_counter() - start
 
@@ -116,31 +130,53 @@ class SGLangEngine:
         caches and publish ``version``. Named-tensor buckets are serialized here (CUDA IPC, same host), each
         while the servers still load the one before: one update request in flight at a time (the servers
         take buckets in order), bucket k+1 packed meanwhile. Every bucket gets a fresh buffer: a server answers
-        before its copies out of the IPC buffer have finished, so only PyTorch's IPC refcount (the server's
-        stream synchronised before it lets go, then ``ipc_collect``) may decide when that memory is reused."""
+        ``flattened_bucket`` before its copies out of the IPC buffer have finished, so only PyTorch's IPC
+        refcount (the server's stream synchronised before it lets go, then ``ipc_collect``) may decide when that
+        memory is reused. With ``checked_loads`` the servers load through redline's loader, which checksums
+        their parameters after the load, and the push raises ``WeightsMismatch`` naming the bucket unless every
+        server read back what was packed (``CheckedPacker``; ``last_push_checked`` then says so)."""
+        self.last_push_checked = False
+        checker = CheckedPacker(current_device(), self.checksum_row_stride, [w.url for w in self.workers]) \
+            if await self._loads_checked() else None
         await self._all("begin_weight_update")
         in_flight = None  # the update request of the previous bucket
         try:
             async for bucket in iterate_buckets(buckets):
-                if not isinstance(bucket, SerializedBucket):
-                    bucket = await asyncio.to_thread(on_device, current_device(), serialize_bucket, list(bucket),
-                                                     self.tp_size)
-                if len(bucket.per_rank) != self.tp_size:
-                    raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
-                                     f"tp_size={self.tp_size}")
+                if checker is not None and not isinstance(bucket, SerializedBucket):
+                    payloads = await asyncio.to_thread(on_device, current_device(), checker.pack, list(bucket))
+                    request = self._each("update_weights_from_tensor", [((p,), LOADER, str(version))
+                                                                        for p in payloads])
+                else:
+                    if not isinstance(bucket, SerializedBucket):
+                        bucket = await asyncio.to_thread(on_device, current_device(), serialize_bucket,
+                                                         list(bucket), self.tp_size)
+                    if len(bucket.per_rank) != self.tp_size:
+                        raise ValueError(f"bucket carries {len(bucket.per_rank)} payloads; the servers have "
+                                         f"tp_size={self.tp_size}")
+                    request = self._all("update_weights_from_tensor", bucket.per_rank, bucket.load_format,
+                                        str(version))
                 if in_flight is not None:
                     await in_flight
-                in_flight = asyncio.ensure_future(
-                    self._all("update_weights_from_tensor", bucket.per_rank, bucket.load_format, str(version)))
+                in_flight = asyncio.ensure_future(request)
             if in_flight is not None:
                 await in_flight
         finally:
             if in_flight is not None and not in_flight.done():  # a failure while packing: no request left behind
                 in_flight.cancel()
+        if checker is not None:
+            await asyncio.to_thread(on_device, current_device(), checker.verify)
+            self.last_push_checked = bool(checker.packed)
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
         await self._all("end_weight_update")
         self.weight_version = str(version)
+
+    async def _loads_checked(self) -> bool:
+        """Whether every server loads through redline's checked loader (asked once where not known)."""
+        if self.checked_loads is None:
+            loaders = await asyncio.gather(*(w.weight_loaders() for w in self.workers))
+            self.checked_loads = all(LOADER in names for names in loaders)
+        return self.checked_loads
 
     async def join_weight_group(self, master_address: str, master_port: int, rank: int, world_size: int,
                                 group_name: str, backend: str, plan=None, timeout_s: float | None = None) -> None:

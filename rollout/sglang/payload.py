@@ -1,5 +1,6 @@
-"""Serializing a bucket of named tensors for ``/update_weights_from_tensor`` with ``load_format =
-"flattened_bucket"`` (CUDA IPC: the server must run on the same host and see the tensors' GPU).
+"""Serializing a bucket of named tensors for ``/update_weights_from_tensor`` (CUDA IPC: the server must run on
+the same host and see the tensors' GPU): with ``load_format = "flattened_bucket"`` (``serialize_bucket``), or for
+redline's checked loader (``CheckedPacker``, ``redline.rollout.sglang.checked_load``).
 
 Uses SGLang's own ``FlattenedTensorBucket`` and ``MultiprocessingSerializer``, so the pickle names only classes
 on the >= 0.5.21 allow-list, and SGLang's reduction patch, which names the GPU by UUID so the server maps the
@@ -22,14 +23,85 @@ def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], tp_size: int
     trainer rank and gathers the payloads instead (``redline.sync.sglang.gathered_buckets``).
     """
     require("sglang", "SGLang weight updates")
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     if not named_tensors or not all(t.is_cuda for _, t in named_tensors):
         raise ValueError("serialize_bucket needs a non-empty list of CUDA tensors (CUDA IPC payload)")
-    monkey_patch_torch_reductions()
     bucket = FlattenedTensorBucket(named_tensors=named_tensors)
-    data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-    payload = MultiprocessingSerializer.serialize(data, output_str=True)
+    payload = serialize_payload({"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()})
     return SerializedBucket(per_rank=(payload,) * tp_size)
+
+
+def serialize_payload(obj) -> str:
+    """SGLang's ``MultiprocessingSerializer`` string of ``obj`` (CUDA tensors as IPC handles, GPUs named by UUID)."""
+    require("sglang", "SGLang weight updates")
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.serialize(obj, output_str=True)
+
+
+class CheckedPacker:
+    """One push's buckets for servers that load with redline's checked loader (``checked_load.LOADER``).
+
+    ``pack`` copies a bucket's tensors into a fresh flat buffer on ``device`` and takes its checksum in the same
+    pass (``BucketCopier.pack``; every ``row_stride``-th row), then serializes one payload per server: the
+    bucket (shared by all) and a result slot of the server's own. ``verify`` — after every server has answered
+    for every bucket — compares, in one host synchronisation, what each server read back out of its parameters
+    with what was packed, and raises ``WeightsMismatch`` naming the server, the bucket and its tensors.
+    """
+
+    def __init__(self, device: torch.device, row_stride: int, urls: list[str]):
+        from redline.sync.bucket_copy import BucketCopier
+
+        self.device, self.row_stride, self.urls = torch.device(device), row_stride, list(urls)
+        self.copier = BucketCopier()
+        self.packed: list[torch.Tensor] = []  # per bucket: [LANES, 2] accumulator of the sent bytes
+        self.results: list[torch.Tensor] = []  # per bucket: [servers, RESULT_WORDS] what each server found
+        self.names: list[list[str]] = []
+
+    def pack(self, named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+        """One payload string per server for this bucket (tensors back to back, the plan's layout)."""
+        from redline.rollout.sglang.checked_load import RESULT, RESULT_WORDS, encode_header
+        from redline.rollout.sglang.weight_check import engine_regions
+        from redline.sync.checksum import new_accumulator
+
+        if not named_tensors or not all(t.device == self.device for _, t in named_tensors):
+            raise ValueError(f"CheckedPacker.pack needs a non-empty list of tensors on {self.device}")
+        spans, rows, nbytes = [], [], 0
+        for (name, tensor), (engine_name, offset) in zip(named_tensors, engine_regions(named_tensors)):
+            size = tensor.numel() * tensor.element_size()
+            spans.append((nbytes, nbytes + size))
+            rows.append((name, tensor.dtype, tuple(tensor.shape), nbytes, nbytes + size, engine_name, offset))
+            nbytes += size
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        acc = new_accumulator(1, self.device)[0]
+        self.copier.pack(flat, nbytes, spans, [t for _, t in named_tensors], acc, self.row_stride)
+        results = torch.zeros(len(self.urls), RESULT_WORDS, dtype=torch.int64, device=self.device)
+        header = encode_header(nbytes, self.row_stride, rows)
+        payloads = tuple(serialize_payload([(header, flat), (RESULT, results[i])]) for i in range(len(self.urls)))
+        self.packed.append(acc)
+        self.results.append(results)
+        self.names.append([name for name, _ in named_tensors])
+        return payloads
+
+    def verify(self) -> None:
+        """Raise ``WeightsMismatch`` unless every server read back every bucket as it was packed."""
+        from redline.rollout.sglang.checked_load import describe
+        from redline.rollout.sglang.weight_check import WeightsMismatch
+        from redline.sync.checksum import fold
+
+        if not self.packed:
+            return
+        sent = fold(torch.stack(self.packed)).tolist()  # [buckets, 2]
+        found = torch.stack(self.results).tolist()  # [buckets, servers, RESULT_WORDS]
+        for bucket, (expected, per_server) in enumerate(zip(sent, found)):
+            for url, (plain, weighted, status, reason) in zip(self.urls, per_server):
+                names = self.names[bucket]
+                where = f"{url}: bucket {bucket} ({len(names)} tensors, {names[0]} … {names[-1]})"
+                if status or reason:
+                    raise WeightsMismatch(f"{where} could not be checked: {describe(status, reason, names)}")
+                if [plain, weighted] != expected:
+                    raise WeightsMismatch(f"{where}: the server's parameters read back checksum {[plain, weighted]}"
+                                          f", the bucket sent {expected}")

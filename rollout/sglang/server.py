@@ -100,13 +100,14 @@ def launch_server(model_path: str | Path, *, base_gpu_id: int = 0, tp_size: int 
 
 def launch_servers(model_path: str | Path, base_gpu_ids: list[int], *, tp_size: int = 1,
                    ports: list[int | None] | None = None, enable_memory_saver: bool = True,
-                   extra_args: list[str] = (), log_dir: str | Path = "logs", timeout: float = 600.0
-                   ) -> list[ManagedProcess]:
+                   extra_args: list[str] = (), log_dir: str | Path = "logs", timeout: float = 600.0,
+                   weight_loaders: list[str] = ()) -> list[ManagedProcess]:
     """One server per entry of ``base_gpu_ids``, healthy on return (all stopped again if one fails). Servers on
     disjoint GPUs start together (start-up is ~35 s each); a server sharing a GPU with an earlier one starts
-    after it is up, since SGLang sizes its memory from what is free when it starts."""
+    after it is up, since SGLang sizes its memory from what is free when it starts. ``weight_loaders``: import
+    paths the servers accept as a ``load_format`` (``--custom-weight-loader``, added to any the caller gives)."""
     require("sglang", "launching SGLang servers")
-    extra = passthrough_args(list(extra_args))
+    extra = with_weight_loaders(passthrough_args(list(extra_args)), list(weight_loaders))
     ports = list(ports or [None] * len(base_gpu_ids))
     picked = iter(free_ports(ports.count(None)))  # distinct: two servers of one wave never share a pick
     ports = [port or next(picked) for port in ports]
@@ -129,6 +130,18 @@ def launch_servers(model_path: str | Path, base_gpu_ids: list[int], *, tp_size: 
                 server.stop()
         raise
     return started
+
+
+def with_weight_loaders(args: list[str], loaders: list[str]) -> list[str]:
+    """``args`` with ``loaders`` added to its ``--custom-weight-loader`` list (one is added where it has none)."""
+    if not loaders:
+        return args
+    flag = "--custom-weight-loader"
+    args = [part for arg in args for part in (arg.split("=", 1) if arg.startswith(flag + "=") else [arg])]
+    if flag not in args:
+        return [*args, flag, *loaders]
+    at = args.index(flag) + 1
+    return [*args[:at], *loaders, *args[at:]]
 
 
 def start_waves(base_gpu_ids: list[int], tp_size: int) -> list[list[int]]:

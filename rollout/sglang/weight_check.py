@@ -54,6 +54,32 @@ def sglang_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
         raise ValueError(f"{name}: the sent tensors lack its part(s) {missing}")
 
 
+def engine_regions(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, int]]:
+    """Where SGLang's loader puts each HF tensor of one bucket (engine TP = 1): ``(SGLang parameter name, byte
+    offset in it)``, a fused part after the bytes of the parts before it in SGLang's order, anything else at 0
+    (a vocabulary parameter's padding rows come after). Every part before a fused part must be in ``named``
+    (the plan keeps a fused set in one bucket); a missing one raises ValueError naming it."""
+    sizes: dict[str, dict[int, int]] = {}
+    for name, tensor in named:
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[1] in _PART_OF:
+            fused, index = _PART_OF[parts[1]]
+            sizes.setdefault(f"{parts[0]}.{fused}.{parts[2]}", {})[index] = tensor.numel() * tensor.element_size()
+    regions = []
+    for name, _ in named:
+        parts = name.rsplit(".", 2)
+        if not (len(parts) == 3 and parts[1] in _PART_OF):
+            regions.append((name, 0))
+            continue
+        fused, index = _PART_OF[parts[1]]
+        fused_name = f"{parts[0]}.{fused}.{parts[2]}"
+        missing = [FUSED[fused][i] for i in range(index) if i not in sizes[fused_name]]
+        if missing:
+            raise ValueError(f"{fused_name}: the bucket holding {name} lacks its part(s) {missing}")
+        regions.append((fused_name, sum(sizes[fused_name][i] for i in range(index))))
+    return regions
+
+
 def _vocab_padded(tensor: torch.Tensor) -> torch.Tensor:
     """``[vocab, hidden]`` as SGLang holds it: zero rows up to a multiple of ``VOCAB_PADDING``."""
     missing = -tensor.shape[0] % VOCAB_PADDING

@@ -4,6 +4,7 @@ sequence, then checks the server's parameter hashes. The CUDA-IPC serialization 
 is replaced by a recorder, which also makes the stand-in report the hashes of what it was sent."""
 
 import pytest
+import torch
 from rich.console import Console
 
 pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
@@ -18,7 +19,9 @@ from redline.rollout.sglang import weight_check  # noqa: E402
 from redline.rollout.sglang.weight_check import expected_checksums  # noqa: E402
 from redline.sync.plan import plan_for  # noqa: E402
 
-from tests.rollout.fake_sglang import FakeSGLang  # noqa: E402
+from redline.rollout.sglang import payload as payload_module  # noqa: E402
+
+from tests.rollout.fake_sglang import FakeSGLang, FakeSGLangModel, Payloads  # noqa: E402
 from tests.rollout.test_sglang_weight_check import byte_hash  # noqa: E402
 
 from .test_train import small_config  # noqa: E402
@@ -31,6 +34,7 @@ CONTROL_DELAY = 0.02  # seconds the stand-in takes to answer each weight update,
 
 @pytest.mark.parametrize("version,session", [("0.5.17", False), ("0.5.23", True)])
 def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, session):
+    """A server without redline's checked loader: pushed as flattened buckets, then checked by its hashes."""
     serialized = []
     server = FakeSGLang(version=version, busy_flushes=0, control_delay=CONTROL_DELAY)
 
@@ -73,3 +77,33 @@ def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, se
     assert CONTROL_DELAY * buckets <= metrics["perf/sync_sglang_time"] <= metrics["perf/sync_time"]
     assert (CONTROL_DELAY * (buckets + 3) <= metrics["perf/update_weights_sglang_time"]  # + resume ×2, checker
             <= metrics["perf/update_weights_time"])
+
+
+def test_rl_step_on_a_server_with_the_checked_loader_checks_in_the_load(tmp_path, monkeypatch):
+    """A server that loads through redline's checked loader (as every server redline launches does): each bucket is
+    checksummed in the server's parameters as it loads, so no /weights_checker round trip follows, and the
+    server ends up holding the trained weights."""
+    payloads = Payloads()
+    monkeypatch.setattr(payload_module, "serialize_payload", payloads.serialize)
+    server = FakeSGLang(busy_flushes=0, payloads=payloads)
+    with server:
+        config = small_config(tmp_path, sft_steps="0", rollout_engine="sglang", sglang_server_urls=server.url,
+                              offload_rollout="true", update_weight_buffer_size=str(BUCKET_BYTES))
+        config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
+        state, _ = build(config, Console(quiet=True))
+        server.loader_model = FakeSGLangModel(state.worker.model.export_hf())  # asked at the first push
+        try:
+            metrics = rl_step(state, 0)
+        finally:
+            state.loop.run_until_complete(state.engine.shutdown())
+    plan = plan_for(state.worker.model.export_hf(), BUCKET_BYTES)
+    samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+    assert server.paths()[samples:] == ["/release_memory_occupation", "/resume_memory_occupation",
+                                        *["/update_weights_from_tensor"] * len(plan.buckets), "/flush_cache",
+                                        "/resume_memory_occupation"]
+    assert state.engine.last_push_checked and state.engine.checksum_row_stride == 16
+    held = dict(server.loader_model.named_parameters())
+    for name, tensor in state.worker.model.export_hf():
+        if name in held:  # the unfused ones; the fused ones are covered by the checksum
+            assert torch.equal(held[name][:tensor.shape[0]], tensor), name
+    assert "perf/check_weights_time" not in metrics and metrics["perf/sync_time"] > 0

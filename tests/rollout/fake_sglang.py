@@ -25,10 +25,77 @@ CONTROL_PATHS = ("/update_weights_from_tensor", "/weights_checker", "/release_me
                  "/resume_memory_occupation")
 
 
+class FakeSGLangModel:
+    """What an SGLang model is to a custom weight loader, made from an HF export: parameters in SGLang's layout
+    (q/k/v stacked into ``qkv_proj``, gate/up into ``gate_up_proj``, the vocabulary rows padded to a multiple of
+    64), zero until loaded, and a ``load_weights`` that places HF tensors the way SGLang's stacked-parameter
+    mapping does. ``skip``: HF names ``load_weights`` leaves untouched (a loader that misses a tensor)."""
+
+    STACKED = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+    def __init__(self, export, skip=()):
+        import torch
+
+        self.skip = set(skip)
+        self.rows: dict[str, list[int]] = {}  # stacked parameter -> rows of each shard, in shard order
+        shapes: dict[str, tuple] = {}
+        dtypes: dict[str, object] = {}
+        for name, tensor in export:
+            target, shard = self.place(name)
+            if shard is None:
+                rows = tensor.shape[0] + (-tensor.shape[0] % 64 if "embed_tokens" in name or "lm_head" in name
+                                          else 0)
+                shapes[target] = (rows, *tensor.shape[1:])
+            else:
+                self.rows.setdefault(target, [0] * 3)[shard] = tensor.shape[0]
+                shapes[target] = (None, *tensor.shape[1:])
+            dtypes[target] = tensor.dtype
+        self.params = {name: torch.zeros(sum(self.rows[name]) if shape[0] is None else shape[0], *shape[1:],
+                                         dtype=dtypes[name]) for name, shape in shapes.items()}
+
+    def place(self, name):
+        """``(SGLang parameter, shard id or None)`` of an HF name."""
+        for stacked, part, shard in self.STACKED:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{stacked}."), shard
+        return name, None
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def load_weights(self, named):
+        for name, tensor in named:
+            if name in self.skip:
+                continue
+            target, shard = self.place(name)
+            param = self.params[target]
+            start = 0 if shard is None else sum(self.rows[target][:shard])
+            param[start:start + tensor.shape[0]].copy_(tensor)
+
+
+class Payloads:
+    """Stands in for SGLang's CUDA-IPC serializer on the CPU: ``serialize`` keeps the object and returns a key,
+    which a stand-in server in the same process turns back into it (``get``)."""
+
+    def __init__(self):
+        self.objects: dict[str, object] = {}
+
+    def serialize(self, obj) -> str:
+        key = f"payload-{len(self.objects)}"
+        self.objects[key] = obj
+        return key
+
+    def get(self, key: str):
+        return self.objects[key]
+
+
 class FakeSGLang:
     def __init__(self, version="0.5.17", delay=0.0, busy_flushes=1, hash_fn=None, corrupt_bucket=None,
-                 control_delay=0.0):
+                 control_delay=0.0, loader_model=None, payloads=None):
         self.version, self.delay, self.busy_flushes, self.hash_fn = version, delay, busy_flushes, hash_fn
+        # redline's checked loader (``--custom-weight-loader``): the model it loads into, the serialized payloads
+        self.loader_model, self.payloads = loader_model, payloads
         # seconds each weight update, memory release / resume and /weights_checker takes to answer
         self.control_delay = control_delay
         self.corrupt_bucket = corrupt_bucket  # index of a received bucket whose first byte is flipped on arrival
@@ -81,7 +148,12 @@ class FakeSGLang:
 
     def route(self, path, body):
         if path in ("/server_info", "/get_server_info"):
-            return (200, {"version": self.version}) if path == "/server_info" else (404, {})
+            info = {"version": self.version}
+            if self.loader_model is not None:
+                from redline.rollout.sglang.checked_load import LOADER
+
+                info["custom_weight_loader"] = [LOADER]
+            return (200, info) if path == "/server_info" else (404, {})
         if path == "/health":
             return 200, {}
         if path == "/generate":
@@ -105,6 +177,20 @@ class FakeSGLang:
             if self.new_contract and not self.session_open:
                 return 400, {"success": False, "message": "must run between begin_weight_update() and "
                                                           "end_weight_update()"}
+            if self.loader_model is not None:
+                from redline.rollout.sglang.checked_load import LOADER, load_bucket
+
+                if body["load_format"] != LOADER:
+                    return 400, {"success": False, "message": f"unexpected load format {body['load_format']}"}
+                [key] = body["serialized_named_tensors"]
+                named = self.payloads.get(key)
+                if self.buckets_received == self.corrupt_bucket:  # the first byte flipped on arrival
+                    (header, flat), result = named
+                    flat = flat.clone()
+                    flat[0] ^= 1
+                    named = [(header, flat), result]
+                self.buckets_received += 1
+                load_bucket(self.loader_model, named)
             self.weight_version = body.get("weight_version") or self.weight_version
             return 200, {"success": True, "message": "Success"}
         if path == "/flush_cache":

@@ -78,6 +78,7 @@ def test_weight_update_changes_output_and_restoring_brings_it_back(engine, loop,
     before = greedy(loop, engine)
     flipped = [("lm_head.weight", torch.flip(weights["lm_head.weight"], dims=[0]).contiguous())]
     loop.run_until_complete(engine.update_weights([flipped], version="flipped"))
+    assert engine.checked_loads and engine.last_push_checked  # checked by redline's loader inside the server
     changed = greedy(loop, engine)
     with pytest.raises(WeightsMismatch, match=r"1 parameter\(s\) differ.*lm_head\.weight"):
         loop.run_until_complete(engine.verify_weights(weights.items()))
@@ -86,6 +87,14 @@ def test_weight_update_changes_output_and_restoring_brings_it_back(engine, loop,
     loop.run_until_complete(engine.verify_weights(weights.items()))  # every parameter, fused ones included
     assert changed.output_ids != before.output_ids and changed.weight_version == "flipped"
     assert restored.output_ids == before.output_ids and restored.weight_version == "back"
+
+
+def test_a_tensor_the_server_cannot_place_fails_the_checked_push(engine, loop):
+    """SGLang's loader drops a rotary buffer's name; the checked load finds no such parameter and says so."""
+    bogus = [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(32, dtype=torch.bfloat16, device="cuda"))]
+    with pytest.raises(WeightsMismatch, match="bucket 0 .* could not be checked"):
+        loop.run_until_complete(engine.update_weights([bogus], version="bogus"))
+    assert not engine.last_push_checked
 
 
 def test_release_and_two_stage_resume_then_sync(engine, loop, live_model_dir):

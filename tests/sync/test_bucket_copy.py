@@ -92,6 +92,25 @@ def test_checksum_only_reads_without_writing():
     assert fold(acc)[0].tolist() == bucket_checksum(flat, flat.numel(), 2).tolist()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("row_stride", [1, 2])
+def test_gather_checksum_equals_the_packed_buckets_without_writing(backend, row_stride):
+    copier = triton_copier() if backend == "triton" else BucketCopier("torch")
+    tensors = random_tensors([3, 5000, 7, 9000])
+    flat, spans, nbytes = pack_and_check(BucketCopier("torch"), tensors, row_stride)
+    # the tensors somewhere else (an engine's parameters), read in place against an unrelated origin
+    elsewhere = [t.clone() for t in tensors]
+    origin = torch.zeros(nbytes, dtype=torch.uint8)
+    acc = new_accumulator(1, "cpu")
+    copier.gather_checksum(origin, nbytes, spans, elsewhere, acc[0], row_stride)
+    assert fold(acc)[0].tolist() == bucket_checksum(flat, nbytes, row_stride).tolist()
+    assert not origin.any() and all(torch.equal(a, b) for a, b in zip(elsewhere, tensors))
+    elsewhere[3][-1] += 1  # a changed element in a counted (the last) row is caught
+    acc.zero_()
+    copier.gather_checksum(origin, nbytes, spans, elsewhere, acc[0], row_stride)
+    assert fold(acc)[0].tolist() != bucket_checksum(flat, nbytes, row_stride).tolist()
+
+
 def test_a_source_at_an_odd_address_takes_the_narrow_path():
     storage = random_tensors([4097])[0]
     tensors = [storage[1:], random_tensors([8], seed=3)[0]]  # starts 2 bytes into its storage
