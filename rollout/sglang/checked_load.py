@@ -2,18 +2,16 @@
 
 An SGLang server started with ``--custom-weight-loader LOADER`` (redline adds it to the servers it launches)
 runs ``load_bucket(model, named_tensors)`` in its scheduler process for each ``/update_weights_from_tensor``
-whose ``load_format`` is ``LOADER``. The payload (``redline.rollout.sglang.payload.CheckedPacker``) is two
-CUDA-IPC tensors in the trainer's memory:
-
-* ``(header, flat)``: the bucket's bytes; ``header`` is ``HEADER`` + JSON ``{"nbytes", "row_stride",
-  "tensors": [[HF name, dtype, shape, start, end, SGLang parameter, byte offset in it], ...]}``
-  (``encode_header``);
-* ``(RESULT, result)``: ``RESULT_WORDS`` int64 where the server writes what it found.
+whose ``load_format`` is ``LOADER``. The payload (``redline.rollout.sglang.payload.CheckedPacker``) is one
+CUDA-IPC tensor in the trainer's memory, ``[(header, flat)]``: ``flat`` holds the bucket's bytes, then (8-byte
+aligned) one result slot of ``RESULT_WORDS`` int64 per server; ``header`` is ``HEADER`` + JSON ``{"nbytes",
+"row_stride", "result": byte offset of this server's slot, "tensors": [[HF name, dtype, shape, start, end,
+SGLang parameter, byte offset in it], ...]}`` (``encode_header``). One allocation, one IPC handle to open.
 
 The server loads the bucket's tensors with the model's own ``load_weights`` (whatever SGLang does on load
 happens), then computes, in one launch, the checksum (``redline.sync.checksum``, every ``row_stride``-th row)
 that the bucket's bytes would have if they were read back out of its parameters at the header's places
-(``BucketCopier.gather_checksum``), writes ``[plain, weighted, 0, 0]`` into ``result`` and waits for its stream,
+(``BucketCopier.gather_checksum``), writes ``[plain, weighted, 0, 0]`` into its slot and waits for its stream,
 so the answer comes after the result and every copy out of the bucket have landed. The trainer compares with
 the checksum it took while packing: the whole path, from its tensors to the server's parameters, is checked,
 at a sampled read of the parameters instead of SGLang's ``/weights_checker`` hash of every byte of the model.
@@ -31,7 +29,6 @@ import torch
 
 LOADER = "redline.rollout.sglang.checked_load.load_bucket"
 HEADER = "redline-checked-bucket:"
-RESULT = "redline-check-result"
 RESULT_WORDS = 4  # plain, weighted, index + 1 of a tensor the server could not check (0: none), reason
 REASONS = {1: "the server has no parameter of that name", 2: "its bytes lie outside that parameter",
            3: "that parameter has another dtype", 4: "the loader failed (the server's log says why)"}
@@ -41,29 +38,36 @@ _logger = logging.getLogger(__name__)
 _copier = None
 
 
-def encode_header(nbytes: int, row_stride: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...], int, int,
-                                                                      str, int]]) -> str:
-    """The header name of a bucket: ``tensors`` rows are (HF name, dtype, shape, start, end, SGLang parameter,
-    byte offset in it), spans in bytes of the flat bucket."""
+def encode_header(nbytes: int, row_stride: int, result: int,
+                  tensors: list[tuple[str, torch.dtype, tuple[int, ...], int, int, str, int]]) -> str:
+    """The header name of a bucket: ``result`` is the byte offset of the server's result slot in the flat
+    tensor; ``tensors`` rows are (HF name, dtype, shape, start, end, SGLang parameter, byte offset in it), spans
+    in bytes of the flat bucket."""
     rows = [[n, str(d).removeprefix("torch."), list(s), a, b, p, o] for n, d, s, a, b, p, o in tensors]
-    return HEADER + json.dumps({"nbytes": nbytes, "row_stride": row_stride, "tensors": rows})
+    return HEADER + json.dumps({"nbytes": nbytes, "row_stride": row_stride, "result": result, "tensors": rows})
 
 
 def decode_header(name: str) -> dict:
     if not name.startswith(HEADER):
-        raise ValueError(f"{LOADER} got a payload whose first name is not a redline bucket header: {name[:80]!r}")
+        raise ValueError(f"{LOADER} got a payload whose name is not a redline bucket header: {name[:80]!r}")
     return json.loads(name[len(HEADER):])
 
 
+def result_slot(flat: torch.Tensor, offset: int) -> torch.Tensor:
+    """The ``RESULT_WORDS`` int64 at byte ``offset`` of the flat uint8 tensor."""
+    return flat[offset:offset + RESULT_WORDS * 8].view(torch.int64)
+
+
 def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """SGLang's custom-loader entry point (see the module docstring). Never raises once the result slot is
-    known: what went wrong is written into it."""
-    result = dict(named_tensors).get(RESULT)
-    if result is None:
-        raise ValueError(f"{LOADER} got no {RESULT!r} tensor; was this payload packed by redline's CheckedPacker?")
+    """SGLang's custom-loader entry point (see the module docstring). Once the header names the result slot it
+    never raises: what went wrong is written into the slot."""
+    if len(named_tensors) != 1:
+        raise ValueError(f"{LOADER} takes one (header, flat bucket) pair, got {len(named_tensors)} tensors; was "
+                         "this payload packed by redline's CheckedPacker?")
+    [(header_name, flat)] = named_tensors
+    header = decode_header(header_name)
+    result = result_slot(flat, header["result"])
     try:
-        (header_name, flat), = [(n, t) for n, t in named_tensors if n != RESULT]
-        header = decode_header(header_name)
         views = [(name, flat[start:end].view(getattr(torch, dtype)).view(shape))
                  for name, dtype, shape, start, end, _, _ in header["tensors"]]
         model.load_weights(views)

@@ -157,6 +157,8 @@ class SGLangEngine:
                                         str(version))
                 if in_flight is not None:
                     await in_flight
+                    if checker is not None:
+                        checker.collect(unanswered=1)  # all but the bucket just packed were answered
                 in_flight = asyncio.ensure_future(request)
             if in_flight is not None:
                 await in_flight

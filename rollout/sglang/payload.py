@@ -46,10 +46,12 @@ class CheckedPacker:
     """One push's buckets for servers that load with redline's checked loader (``checked_load.LOADER``).
 
     ``pack`` copies a bucket's tensors into a fresh flat buffer on ``device`` and takes its checksum in the same
-    pass (``BucketCopier.pack``; every ``row_stride``-th row), then serializes one payload per server: the
-    bucket (shared by all) and a result slot of the server's own. ``verify`` — after every server has answered
-    for every bucket — compares, in one host synchronisation, what each server read back out of its parameters
-    with what was packed, and raises ``WeightsMismatch`` naming the server, the bucket and its tensors.
+    pass (``BucketCopier.pack``; every ``row_stride``-th row), then serializes one payload per server: the same
+    buffer, whose tail holds each server's result slot, under a header naming that server's slot. ``verify`` —
+    after every server has answered for every bucket — compares, in one host synchronisation, what each server
+    read back out of its parameters with what was packed, and raises ``WeightsMismatch`` naming the server, the
+    bucket and its tensors. ``collect`` after servers have answered copies their slots out and lets the buckets
+    go (a push holds no more than the buckets in flight).
     """
 
     def __init__(self, device: torch.device, row_stride: int, urls: list[str]):
@@ -60,10 +62,11 @@ class CheckedPacker:
         self.packed: list[torch.Tensor] = []  # per bucket: [LANES, 2] accumulator of the sent bytes
         self.results: list[torch.Tensor] = []  # per bucket: [servers, RESULT_WORDS] what each server found
         self.names: list[list[str]] = []
+        self._answering: list[list[torch.Tensor]] = []  # result slots (views of their buckets) not collected yet
 
     def pack(self, named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
         """One payload string per server for this bucket (tensors back to back, the plan's layout)."""
-        from redline.rollout.sglang.checked_load import RESULT, RESULT_WORDS, encode_header
+        from redline.rollout.sglang.checked_load import RESULT_WORDS, encode_header, result_slot
         from redline.rollout.sglang.weight_check import engine_regions
         from redline.sync.checksum import new_accumulator
 
@@ -75,16 +78,25 @@ class CheckedPacker:
             spans.append((nbytes, nbytes + size))
             rows.append((name, tensor.dtype, tuple(tensor.shape), nbytes, nbytes + size, engine_name, offset))
             nbytes += size
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        slots = -(-nbytes // 8) * 8  # the result slots, 8-byte aligned after the bucket's bytes
+        flat = torch.empty(slots + len(self.urls) * RESULT_WORDS * 8, dtype=torch.uint8, device=self.device)
+        flat[slots:] = 0
         acc = new_accumulator(1, self.device)[0]
         self.copier.pack(flat, nbytes, spans, [t for _, t in named_tensors], acc, self.row_stride)
-        results = torch.zeros(len(self.urls), RESULT_WORDS, dtype=torch.int64, device=self.device)
-        header = encode_header(nbytes, self.row_stride, rows)
-        payloads = tuple(serialize_payload([(header, flat), (RESULT, results[i])]) for i in range(len(self.urls)))
+        offsets = [slots + i * RESULT_WORDS * 8 for i in range(len(self.urls))]
+        payloads = tuple(serialize_payload([(encode_header(nbytes, self.row_stride, offset, rows), flat)])
+                         for offset in offsets)
         self.packed.append(acc)
-        self.results.append(results)
+        self._answering.append([result_slot(flat, offset) for offset in offsets])
         self.names.append([name for name, _ in named_tensors])
         return payloads
+
+    def collect(self, unanswered: int = 0) -> None:
+        """Copy the result slots of the buckets packed so far, but the last ``unanswered``, out of their buckets
+        (their requests must have been answered: a server writes its slot before it answers) and drop them."""
+        answered = len(self._answering) - unanswered
+        self.results += [torch.stack(slots) for slots in self._answering[:answered]]
+        del self._answering[:answered]
 
     def verify(self) -> None:
         """Raise ``WeightsMismatch`` unless every server read back every bucket as it was packed."""
@@ -92,6 +104,7 @@ class CheckedPacker:
         from redline.rollout.sglang.weight_check import WeightsMismatch
         from redline.sync.checksum import fold
 
+        self.collect()
         if not self.packed:
             return
         sent = fold(torch.stack(self.packed)).tolist()  # [buckets, 2]

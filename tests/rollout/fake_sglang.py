@@ -185,10 +185,7 @@ class FakeSGLang:
                 [key] = body["serialized_named_tensors"]
                 named = self.payloads.get(key)
                 if self.buckets_received == self.corrupt_bucket:  # the first byte flipped on arrival
-                    (header, flat), result = named
-                    flat = flat.clone()
-                    flat[0] ^= 1
-                    named = [(header, flat), result]
+                    named[0][1][0] ^= 1
                 self.buckets_received += 1
                 load_bucket(self.loader_model, named)
             self.weight_version = body.get("weight_version") or self.weight_version

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from redline.rollout.sglang import payload as payload_module
-from redline.rollout.sglang.checked_load import LOADER, RESULT, decode_header, load_bucket
+from redline.rollout.sglang.checked_load import LOADER, decode_header, load_bucket
 from redline.rollout.sglang.payload import CheckedPacker
 from redline.rollout.sglang.weight_check import WeightsMismatch, engine_regions
 
@@ -77,8 +77,10 @@ def test_a_checked_bucket_loads_into_sglangs_layout_and_verifies(payloads, row_s
                        torch.cat([sent[attn + f"{p}_proj.weight"] for p in "qkv"]))
     embed = params["model.embed_tokens.weight"]
     assert embed.shape[0] == 128 and torch.equal(embed[:100], sent["model.embed_tokens.weight"])
-    header = decode_header(payloads.get(packer.pack(named)[0])[0][0])
-    assert header["row_stride"] == row_stride and header["nbytes"] == sum(t.numel() * 2 for _, t in named)
+    header = decode_header(payloads.get(packer.pack(named)[1])[0][0])
+    nbytes = sum(t.numel() * 2 for _, t in named)
+    assert header["row_stride"] == row_stride and header["nbytes"] == nbytes
+    assert header["result"] == -(-nbytes // 8) * 8 + 32  # the second server's slot, after the first's
 
 
 def test_a_tensor_the_server_did_not_load_fails_the_push_naming_server_and_bucket(payloads):
@@ -97,10 +99,9 @@ def test_a_sampled_check_catches_a_corrupted_counted_row(payloads):
     models = [FakeSGLangModel(named)]
     packer = CheckedPacker(torch.device("cpu"), 16, URLS[:1])
     [key] = packer.pack(named)
-    (header, flat), result = payloads.get(key)
-    flat = flat.clone()
-    flat[0] ^= 1  # the first row is always counted
-    load_bucket(models[0], [(header, flat), result])
+    [(header, flat)] = payloads.get(key)
+    flat[0] ^= 1  # the first row is always counted (the packed checksum was taken before)
+    load_bucket(models[0], [(header, flat)])
     with pytest.raises(WeightsMismatch, match="bucket 0"):
         packer.verify()
 
@@ -130,9 +131,11 @@ def test_a_failing_load_is_reported_not_raised_in_the_server(payloads):
         packer.verify()
 
 
-def test_a_payload_without_its_result_slot_is_refused():
-    with pytest.raises(ValueError, match=RESULT):
+def test_a_payload_not_packed_by_redline_is_refused():
+    with pytest.raises(ValueError, match="not a redline bucket header"):
         load_bucket(FakeSGLangModel(bucket()), [("x", torch.zeros(4, dtype=torch.uint8))])
+    with pytest.raises(ValueError, match="one \\(header, flat bucket\\) pair, got 2"):
+        load_bucket(FakeSGLangModel(bucket()), [("x", torch.zeros(4, dtype=torch.uint8))] * 2)
 
 
 def test_the_engine_checks_while_it_loads_and_skips_weights_checker(payloads):

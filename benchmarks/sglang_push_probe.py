@@ -1,0 +1,61 @@
+"""Where a colocated SGLang push spends its time: the same model pushed through redline's checked loader and through
+``flattened_bucket`` + ``/weights_checker``, each push and each bucket timed, in one sitting on one GPU.
+
+    python benchmarks/sglang_push_probe.py MODEL_DIR OUT.json [--pushes 5] [--bucket-mib 512]
+
+MODEL_DIR: an HF model folder (safetensors); the pushes send its own weights back (bf16 on the GPU). Needs SGLang.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from redline.rollout.sglang.engine import SGLangEngine
+from redline.sync.plan import named_buckets, plan_for
+
+
+async def push(engine, buckets, version, check):
+    start = time.perf_counter()
+    await engine.update_weights(buckets, version)
+    pushed = time.perf_counter()
+    if check and not engine.last_push_checked:
+        await engine.verify_weights(check)
+    return {"update_ms": (pushed - start) * 1e3, "total_ms": (time.perf_counter() - start) * 1e3,
+            "checked_in_load": engine.last_push_checked}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    args = parser.parse_args()
+    weights = {}
+    for f in sorted(__import__("pathlib").Path(args.model_dir).glob("*.safetensors")):
+        weights.update({k: v.to("cuda", torch.bfloat16) for k, v in load_file(f).items()})
+    export = list(weights.items())
+    plan = plan_for(export, args.bucket_mib << 20)
+    engine = SGLangEngine.launch(args.model_dir, sglang_args=["--sglang-mem-fraction-static", "0.3"],
+                                 log_dir=args.out + ".logs")
+    loop = asyncio.new_event_loop()
+    results = {"buckets": len(plan.buckets), "bytes": sum(t.numel() * 2 for t in weights.values())}
+    try:
+        for mode in ("checked", "weights_checker", "checked"):
+            engine.checked_loads = mode == "checked"
+            engine.checksum_row_stride = 16
+            runs = [loop.run_until_complete(push(engine, list(named_buckets(plan, export)), f"{mode}{i}", export))
+                    for i in range(args.pushes)]
+            results.setdefault(mode, []).append(runs)
+            print(mode, [round(r["total_ms"], 1) for r in runs], flush=True)
+    finally:
+        loop.run_until_complete(engine.shutdown())
+    json.dump(results, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
