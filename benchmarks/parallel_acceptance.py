@@ -119,11 +119,14 @@ def cli_flags(values: dict) -> list[str]:
 
 
 def command(run: Run, *, model_dir: Path, out: Path, steps: int, python: str, extra: list[str],
-            base_config: Path = BASE_CONFIG, dtype: str = "bfloat16") -> list[str]:
-    """The launch of ``run``: torchrun with one process per GPU, the base config, the run's flags."""
+            base_config: Path = BASE_CONFIG, dtype: str = "bfloat16", profile: bool = False) -> list[str]:
+    """The launch of ``run``: torchrun with one process per GPU, the base config, the run's flags; ``profile``:
+    its last step traced (``--use-pytorch-profiler``)."""
     launcher = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={run.gpus}"]
     flags = {"hf_checkpoint": str(model_dir), "num_rollout": steps, "output_dir": str(out / run.name),
              "backend": "bf16", "dtype": dtype, "overwrite": True, **run.flags()}
+    if profile:
+        flags.update(use_pytorch_profiler=True, profile_step_start=steps, profile_step_end=steps + 1)
     return [*launcher, "-m", "redline.cli", "train", str(base_config), *cli_flags(flags), *extra]
 
 
@@ -169,10 +172,11 @@ def phase_keys() -> list[str]:
 
 
 def summarize_run(records: list[dict]) -> dict:
-    """Median of each phase over the steps after the first (warm-up), step 1 apart, and the GPU memory."""
+    """Median of each phase over the steps after the first (warm-up) and not traced by the profiler, step 1
+    apart, and the GPU memory."""
     if not records:
         return {"steps": 0}
-    later = records[1:] or records
+    later = [r for r in records[1:] if not r.get("perf/profiled")] or records  # traced steps run slower
     phases = {}
     for key in phase_keys():
         values = [r[key] for r in later if key in r]
@@ -184,6 +188,25 @@ def summarize_run(records: list[dict]) -> dict:
     return {"steps": len(records), "phases": phases, "gpu_mem_gb_max": max(memory) if memory else None,
             "logprob_gap_max": max(gaps) if gaps else None,
             "reward_mean_last": records[-1].get("rollout/reward_mean")}
+
+
+PROFILED_PHASES = ("logprob", "train", "update_weights")
+
+
+def profiled_phases(run_dir: Path) -> dict:
+    """Rank 0's ``--use-pytorch-profiler`` summary (``redline.loop.profiling``) of ``PROFILED_PHASES``, on its own
+    GPU: ``{phase: {"wall_s", "busy_s", "idle_share", "nccl_s", "exposed_nccl_s", "copy_s", "kernels"}}``;
+    empty when the run was not profiled."""
+    path = run_dir / "profile" / "rank0" / "summary.json"
+    if not path.exists():
+        return {}
+    phases = json.loads(path.read_text())["phases"]
+    out = {}
+    for phase in PROFILED_PHASES:
+        if phase in phases and phases[phase]["gpus"]:
+            busiest = max(phases[phase]["gpus"].values(), key=lambda g: g["busy_s"])
+            out[phase] = {"wall_s": phases[phase]["wall_s"], **busiest}
+    return out
 
 
 def scaling(results: dict[str, dict], runs: list[Run]) -> dict[str, dict]:
@@ -236,6 +259,17 @@ def markdown(report: dict) -> str:
                      f"{run['gpus_per_engine']} | {result['status']} | " + " | ".join(cells) + " |")
     if report.get("missing"):
         lines += ["", f"Not run yet (in this folder): {', '.join(report['missing'])}."]
+    profiled = {name: r["profile"] for name, r in report["runs"].items() if r.get("profile")}
+    if profiled:
+        lines += ["", "Profiled last step, rank 0's GPU (`profile/rank0/summary.md` in each run; the medians above "
+                  "leave that step out):", "",
+                  "| run | phase | wall s | GPU busy s | idle | NCCL s | NCCL not overlapped s | copies s | kernels |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, phases in profiled.items():
+            for phase, g in phases.items():
+                lines.append(f"| {name} | {phase} | {g['wall_s']:.3f} | {g['busy_s']:.3f} | {g['idle_share']:.1%} | "
+                             f"{g['nccl_s']:.3f} | {g['exposed_nccl_s']:.3f} | {g['copy_s']:.3f} | "
+                             f"{g['kernels']:.0f} |")
     if report["scaling"]:
         lines += ["", f"Train-phase scaling against slice-tp1 (target >= {SCALING_TARGET:.0%}):", "",
                   "| run | gpus | train s | TP=1 train s | efficiency | target |", "|---|---|---|---|---|---|"]
@@ -302,6 +336,9 @@ def parse_args(argv=None):
                         help="run on the CPU (gloo, embedded engine): the smoke test of this script at a tiny size")
     parser.add_argument("--only", default=None, help="comma-separated run names to run (default: all planned)")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling runs")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace each run's last step (--use-pytorch-profiler): per phase, rank 0's GPU idle share "
+                             "and NCCL time not overlapped by compute, in the report")
     parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the runs")
     parser.add_argument("--extra", default="", help="more `redline train` flags for every run (one string)")
@@ -312,6 +349,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (step 1 is the warm-up the medians leave out)")
+    if args.profile and args.steps < 3:
+        parser.error("--profile needs --steps >= 3 (step 1 is the warm-up, the last step is traced)")
     if args.slice_layers < 1:
         parser.error("--slice-layers must be >= 1")
     if args.gpus is not None and args.gpus not in (2, 4):
@@ -332,7 +371,8 @@ def run_one(run: Run, argv: list[str], out: Path, env: dict, timeout: float) -> 
             code = "timeout"
     result = {"run": asdict(run), "command": argv, "status": "ok" if code == 0 else f"failed ({code}; see {log.name})",
               "wall_s": time.perf_counter() - start,
-              "summary": summarize_run(read_metrics(out / run.name / "metrics.jsonl"))}
+              "summary": summarize_run(read_metrics(out / run.name / "metrics.jsonl")),
+              "profile": profiled_phases(out / run.name)}
     (out / f"{run.name}.result.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -358,7 +398,8 @@ def main(argv=None) -> int:
     models = model_dirs(out, args.model, args.slice_layers)
     extra = args.extra.split()
     commands = {r.name: command(r, model_dir=models[r.model], out=out, steps=args.steps, python=args.python,
-                                extra=extra, base_config=args.base_config.resolve(), dtype=args.dtype)
+                                extra=extra, base_config=args.base_config.resolve(), dtype=args.dtype,
+                                profile=args.profile)
                 for r in runs}
     for run in runs:  # every launch's flags parse and its engine layout passes, before anything long starts
         check_engine_layout(run, check_command(commands[run.name]))

@@ -229,6 +229,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    use_pytorch_profiler: bool = option(False, "trace RL steps --profile-step-start .. --profile-step-end - 1 with "
+                                        "torch.profiler (each phase a named range) into <run>/profile/: a Chrome "
+                                        "trace per rank and what the GPU did in each phase (busy, idle, exposed "
+                                        "communication, top kernels)")
+    profile_step_start: int = option(3, "first profiled RL step, numbered as in metrics.jsonl (the default "
+                                        "leaves out the first steps' one-time costs)")
+    profile_step_end: int = option(4, "the profiled steps end before this one")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -238,3 +249,4 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

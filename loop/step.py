@@ -17,6 +17,7 @@ from redline.loop.advantages import AdaptiveKLController, compute_advantages
 from redline.loop.batching import aggregation_weight, balance_across_ranks, pack, split_by_token_budget
 from redline.loop.data_parallel import SINGLE_PROCESS, DataParallel
 from redline.loop.dealt_rollout import rollout_batch
+from redline.loop.profiling import StepProfiler
 from redline.rollout.types import Sample
 
 
@@ -34,12 +35,22 @@ class RunState:
     dp: DataParallel = SINGLE_PROCESS  # the data-parallel ranks (each one runs this same step on its shard)
     on_phase: Callable[[str], None] = lambda name: None  # told each phase as it starts (the progress display)
     telemetry: GpuTelemetry = field(default_factory=lambda: GpuTelemetry(None))  # perf/gpu_* per step; off: none
+    profiler: StepProfiler = field(default_factory=StepProfiler)  # --use-pytorch-profiler; off: inert
     schedule: object = None  # --async-rollout's (redline.loop.async_schedule), installed at construction
 
     def __post_init__(self):
         from redline.loop.async_schedule import make_schedule
 
         self.schedule = make_schedule(self)  # an async one wraps ``rollout`` and ``weight_sync``
+
+
+def enter_phase(state: RunState, phase: str, shown: str | None = None) -> None:
+    """Phase ``phase`` (a ``perf/<phase>_time`` name) starts: the progress display shows ``shown`` (if given),
+    GPU telemetry and the profiler charge what follows to ``phase``."""
+    if shown is not None:
+        state.on_phase(shown)
+    state.telemetry.phase(phase)
+    state.profiler.phase(phase)
 
 
 def clock() -> float:
@@ -100,14 +111,13 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
 
     # 1. rollout: generate n samples per prompt, score them, filter groups (--async-rollout: hand over the ones
     #    generated while the last step trained)
-    state.on_phase("rollout")
-    state.telemetry.phase("rollout")
+    enter_phase(state, "rollout", "rollout")
     # under TP/PP the model-parallel group's leader generates for its DP rank and hands the group the samples;
     # with --no-colocate under DP > 1 rank 0 generates the whole batch and deals its groups out
     samples, metrics = rollout_batch(state, rollout_id)
     t0 = clock()
     rollout_time = t0 - step_start
-    state.telemetry.phase("offload_rollout")
+    enter_phase(state, "offload_rollout")
     state.loop.run_until_complete(state.weight_sync.release())  # --offload-rollout: the GPU is the trainer's
     offload_time = clock() - t0
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -117,8 +127,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
     # 2. old / reference log-probs (old ones are reused when the weights cannot move before the loss sees them,
     #    unless an async batch mixes staleness values: its log-prob gap is then reported per staleness)
     state.schedule.overlap_begin()  # --async-rollout: from here to the push the engines keep generating
-    state.on_phase("log-probs")
-    state.telemetry.phase("logprob")
+    enter_phase(state, "logprob", "log-probs")
     t0 = clock()
     kl_coef = reward_kl_coef(state)
     reuse_old = reuses_old_logp(state) and not state.schedule.mixed_staleness(samples)
@@ -145,8 +154,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
         per_token["ref_logp"] = ref_logp
 
     # 4. optimizer steps over global batches of packed micro-batches, dealt out across the data-parallel ranks
-    state.on_phase("train")
-    state.telemetry.phase("train")
+    enter_phase(state, "train", "train")
     t0 = clock()
     train_metrics: list[dict[str, float]] = []
     lengths = dp.all_lengths([len(s.tokens) for s in samples])
@@ -174,8 +182,7 @@ def rl_step(state: RunState, rollout_id: int) -> dict[str, float]:
 
     # 5. weight sync: planned buckets into the engine, resuming its memory around them when offloaded
     #    (--async-rollout: every --update-weights-interval steps, when the schedule allows)
-    state.on_phase("weight sync")
-    state.telemetry.phase("update_weights")
+    enter_phase(state, "update_weights", "weight sync")
     t0 = clock()
     state.loop.run_until_complete(state.weight_sync.push(str(rollout_id + 1)))
     sync_time = clock() - t0

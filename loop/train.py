@@ -21,6 +21,7 @@ from redline.loop.determinism import deterministic_algorithms
 from redline.loop.sft import sft_rollout, sft_warmup
 from redline.loop.health import RunHealth
 from redline.loop.progress import RunProgress, summary
+from redline.loop.profiling import StepProfiler
 from redline.loop.step import RunState, rl_step
 from redline.loop.train_offload import ensure_resident, trainer_resident
 from redline.loop.training_memory import memory_table
@@ -284,10 +285,12 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
     try:
         state.telemetry = open_gpu_telemetry(_run_devices(state), lambda line: console.print(line, markup=False))
         state.telemetry.start()
+        state.profiler = StepProfiler.for_run(config.profile, out, dp.process_rank)
         with stop, RunProgress(console, config.rollout.num_rollout) as progress:
             report = _train(state, tokenizer, metrics, out, console, config_path, stop, progress)
     finally:
         state.telemetry.stop()
+        state.profiler.close()  # what a run that stopped early traced is written all the same
         if metrics:
             metrics.close()
         shutdown(state)
@@ -343,8 +346,10 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         state.on_phase = compile_clock.tracking(state.on_phase)  # a step's compilations named with their phase
         startup = warm_up(state, console, compile_clock, version=str(start))  # the engine's weights: start's
     for rollout_id in range(start, config.rollout.num_rollout):
-        step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
         step = rollout_id + 1
+        state.profiler.begin_step(step)
+        step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
+        step_metrics.update(state.profiler.end_step(step))
         if compile_clock:  # what this step still paid in Triton compilation; the first also the start-up's cost
             paid, stalls = settle_step(compile_clock, step, dp)  # on any rank
             for stall in stalls:
@@ -386,7 +391,8 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         *(f"**WARNING** {w}" for w in health.warnings), f"config: {config_path}", f"output: {out}",
         f"RL steps: {last - start} in {seconds:.1f} s"
         + (f" on {dp.world} data-parallel ranks" if dp.world > 1 else ""),
-        *stopped, "", "Training state of rank 0:", "", *training_memory(state.worker, state.critic)])
+        *stopped, *state.profiler.report_lines(out), "", "Training state of rank 0:", "",
+        *training_memory(state.worker, state.critic)])
     progress.print(summary(metrics.records, last - start, seconds, report), "bold")
     return report
 

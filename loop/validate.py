@@ -450,6 +450,28 @@ def check_sync_switches() -> None:
             raise ConfigError(str(exc)) from exc
 
 
+def check_profile(config) -> None:
+    """``--profile-step-start`` / ``--profile-step-end``: set only with ``--use-pytorch-profiler``, a non-empty
+    range of the run's steps."""
+    from redline.config import ProfileConfig
+
+    p, last = config.profile, config.rollout.num_rollout
+    if not p.use_pytorch_profiler:
+        default = ProfileConfig()
+        if (p.profile_step_start, p.profile_step_end) != (default.profile_step_start, default.profile_step_end):
+            raise ConfigError("--profile-step-start / --profile-step-end apply to --use-pytorch-profiler, which "
+                              "is off")
+        return
+    if p.profile_step_start < 1:
+        raise ConfigError(f"--profile-step-start must be >= 1 (steps count from 1), got {p.profile_step_start}")
+    if p.profile_step_end <= p.profile_step_start:
+        raise ConfigError(f"--profile-step-end ({p.profile_step_end}) must be after --profile-step-start "
+                          f"({p.profile_step_start}): the profiled steps are start .. end - 1")
+    if p.profile_step_start > last:
+        raise ConfigError(f"--profile-step-start {p.profile_step_start} is after the run's last step "
+                          f"(--num-rollout {last}): nothing would be profiled")
+
+
 def validate(config, world_size: int = 1) -> None:
     """Every check that can fail before a model loads; raises ConfigError naming the flag or file.
     ``world_size``: the ``torchrun`` processes of the run (DP × TP × PP)."""
@@ -480,6 +502,7 @@ def validate(config, world_size: int = 1) -> None:
     if config.sync.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
     check_sync_switches()
+    check_profile(config)
     try:
         loss_config(config)
     except ValueError as exc:

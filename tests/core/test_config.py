@@ -119,7 +119,7 @@ def test_cli_names_the_file_for_bad_toml(tmp_path):
 
 def test_cli_help_types_the_flags_and_groups_them_by_section():
     help_text = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
-    sections = ["[model]", "[parallel]", "[data]", "[rollout]", "[algo]", "[train]", "[sync]", "[checkpoint]"]
+    sections = ["[model]", "[parallel]", "[data]", "[rollout]", "[algo]", "[train]", "[sync]", "[checkpoint]", "[profile]"]
     positions = [help_text.index(f"{s}:") for s in sections]
     assert positions == sorted(positions)
     rollout = help_text[help_text.index("[rollout]:"):help_text.index("[algo]:")]

@@ -59,7 +59,8 @@ def test_an_unknown_extra_flag_stops_the_dry_run(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [(["--gpus", "3"], "--gpus must be 2 or 4"),
                                           (["--steps", "1"], "--steps must be >= 2"),
-                                          (["--slice-layers", "0"], "--slice-layers must be >= 1")])
+                                          (["--slice-layers", "0"], "--slice-layers must be >= 1"),
+                                          (["--profile", "--steps", "2"], "--profile needs --steps >= 3")])
 def test_bad_arguments_are_named(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit):
         acceptance.parse_args([str(tmp_path), *argv])
@@ -88,6 +89,22 @@ def test_summary_takes_medians_after_the_first_step_and_the_memory_peak(tmp_path
     assert summary["phases"]["perf/step_time"]["median_s"] == 6.0
     assert summary["gpu_mem_gb_max"] == 43.0
     assert summary["logprob_gap_max"] == pytest.approx(0.04)
+
+
+def test_summary_leaves_the_profiled_step_out(tmp_path):
+    write_metrics(tmp_path / "r", [9.0, 1.0, 3.0, 20.0])
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    lines[-1] = json.dumps({**json.loads(lines[-1]), "perf/profiled": 1.0})
+    (tmp_path / "r" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    summary = acceptance.summarize_run(acceptance.read_metrics(tmp_path / "r" / "metrics.jsonl"))
+    assert summary["phases"]["perf/train_time"]["median_s"] == 2.0  # of 1.0 and 3.0; the traced 20.0 left out
+
+
+def test_profile_traces_the_last_step_of_every_launch(tmp_path):
+    assert acceptance.main([str(tmp_path), "--dry-run", "--gpus", "2", "--steps", "5", "--profile"]) == 0
+    for run in json.loads((tmp_path / "plan.json").read_text())["runs"]:
+        config = acceptance.check_command(run["command"])  # parsed by the real CLI
+        assert config["profile"] == {"use_pytorch_profiler": True, "profile_step_start": 5, "profile_step_end": 6}
 
 
 def test_scaling_efficiency_is_the_tp1_time_over_gpus_times_the_parallel_time(tmp_path):
@@ -119,14 +136,17 @@ def test_scaling_efficiency_is_the_tp1_time_over_gpus_times_the_parallel_time(tm
 def test_the_script_runs_end_to_end_on_the_cpu_at_a_tiny_size(tmp_path):
     code = acceptance.main([str(tmp_path), "--cpu", "--model", "tiny", "--base-config",
                             str(acceptance.REPO / "examples" / "quickstart.toml"), "--dtype", "float32",
-                            "--steps", "2", "--no-scaling", "--extra",
+                            "--steps", "3", "--profile", "--no-scaling", "--extra",
                             "--rollout-batch-size 4 --global-batch-size 32 --sft-steps 0 --eval-interval 0"])
     report = json.loads((tmp_path / "acceptance.json").read_text())
     [(name, result)] = report["runs"].items()
     assert code == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     assert name == "tp2-sp-embedded1" and result["status"] == "ok"
     summary = result["summary"]
-    assert summary["steps"] == 2 and summary["phases"]["perf/train_time"]["median_s"] > 0
+    assert summary["steps"] == 3 and summary["phases"]["perf/train_time"]["median_s"] > 0
+    for rank in (0, 1):  # each torchrun process traced step 3 (no GPU here: phases without device work)
+        traced = json.loads((tmp_path / name / "profile" / f"rank{rank}" / "summary.json").read_text())
+        assert traced["profiled_steps"] == [3] and traced["phases"]["train"]["wall_s"] > 0
     assert summary["logprob_gap_max"] is not None
     assert "| tp2-sp-embedded1 | 2 | 2 | 1 | yes | 1 | ok |" in (tmp_path / "acceptance.md").read_text()
 
