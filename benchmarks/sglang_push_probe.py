@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from redline.loop.builtin import builtin_model
+from redline.loop.weight_sync import SAMPLED_ROW_STRIDE
 from redline.rollout.sglang.engine import SGLangEngine
 from redline.sync.plan import named_buckets, plan_for
 
@@ -58,14 +59,15 @@ def main():
     try:
         for mode in ("checked", "weights_checker", "checked"):
             engine.checked_loads = mode == "checked"
-            engine.checksum_row_stride = 16
+            engine.checksum_row_stride = SAMPLED_ROW_STRIDE  # the loop's default check
             runs = [loop.run_until_complete(push(engine, list(named_buckets(plan, export)), f"{mode}{i}", export))
                     for i in range(args.pushes)]
             results.setdefault(mode, []).append(runs)
             print(mode, [(round(r["total_ms"], 1), round(r["total_sglang_ms"], 1)) for r in runs], flush=True)
     finally:
         loop.run_until_complete(engine.shutdown())
-    json.dump(results, open(args.out, "w"), indent=1)
+        loop.close()
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ from redline.sync.plan import BucketLayout, TensorSpec, WeightPlan
 from redline.trainer.models.export import full_shape, hf_entries
 from redline.trainer.parallel.comm import _all_gather_single
 
-# how many times a push reads the export, by WeightSync mode (a check after the update reads it again)
-EXPORT_PASSES = {"direct": 2, "sglang": 2}
+# how many times a push reads the export in its sync, by WeightSync mode (direct compares what the engine holds with
+# the export); a check after the sync reads it once more when the leader says so (``ModelParallelWeightSync``)
+SYNC_PASSES = {"direct": 2}
 
 
 def stage_specs(model) -> list[list[TensorSpec]]:
@@ -234,22 +235,37 @@ class ModelParallelWeightSync(WeightSync):
         export = GroupExport(model)
         super().__init__(export, engine, zero_copy=False, seat=seat, **options)
         export.plan = self.plan
+        self.dp = dp
         if seat is not None:
             return
         self.controls_engine = dp.holds_engine
         if not dp.holds_engine:
             self.mode = "contributor"
-        self.passes = dp.from_model_leader(lambda: EXPORT_PASSES.get(self.mode, 1))
+        self.passes = dp.from_model_leader(lambda: SYNC_PASSES.get(self.mode, 1))
 
     def _seat_buckets(self):
         return seat_parts(self.model.model, self.plan, self.model.stage_names)
 
     async def _sync(self, version: str) -> None:
-        if self.mode != "contributor":
+        if self.seat is not None:
             return await super()._sync(version)
+        if self.mode != "contributor":
+            await super()._sync(version)
+            self.dp.from_model_leader(self._checked_after_sync)
+            return
         for _ in range(self.passes):
-            for _ in self.model.export_hf():
-                pass
+            self._contribute()
+        if self.dp.from_model_leader(lambda: None):
+            self._contribute()  # the leader's check after the sync
+
+    def _checked_after_sync(self) -> bool:
+        """Whether the leader's push reads the export once more after the sync: SGLang servers whose load did not
+        check itself are checked by ``/weights_checker`` (known only once the push has run)."""
+        return self.mode == "sglang" and not self.engine.last_push_checked
+
+    def _contribute(self) -> None:
+        for _ in self.model.export_hf():  # this rank's shards gathered to the leader, bucket by bucket
+            pass
 
     def describe(self) -> str:
         if self.mode == "contributor":

@@ -12,7 +12,8 @@ synchronise the device, so a phase's GPU work runs inside its range). Written to
   and the phase's heaviest kernels.
 
 Profiled steps carry ``perf/profiled = 1`` in metrics.jsonl: tracing slows the host, so their times are not the
-run's. Engines in processes of their own (the embedded engine process, SGLang) are not in the trace.
+run's. Engines in processes of their own (the embedded engine process, SGLang) are not in the trace. An SFT-only
+run (``--loss-type sft``) has no phases: its summary holds the ``step`` range alone.
 """
 
 from __future__ import annotations

@@ -290,10 +290,13 @@ def _run(config, config_path, dp: DataParallel, console: Console) -> int:
             report = _train(state, tokenizer, metrics, out, console, config_path, stop, progress)
     finally:
         state.telemetry.stop()
-        state.profiler.close()  # what a run that stopped early traced is written all the same
         if metrics:
             metrics.close()
         shutdown(state)
+        try:  # what a run that failed while tracing traced is written all the same, if it can be
+            state.profiler.close()
+        except Exception as exc:  # noqa: BLE001 -- the run's own outcome stands; the profile is a by-product
+            console.print(f"warning: the profile could not be written: {exc!r}", markup=False)
     console.print(f"report: {report}")
     if stop.stopped_at is not None:
         console.print(f"stopped by Ctrl-C after step {stop.stopped_at}; resume with:\n"
@@ -381,6 +384,7 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         state.worker.model.save_pretrained(config.checkpoint.save_hf, write=dp.is_main)
     if config.checkpoint.save_hf and dp.is_main and stop.stopped_at is None:
         checkpoint.copy_tokenizer(Path(config.model.hf_checkpoint), Path(config.checkpoint.save_hf))
+    state.profiler.finish()  # a run stopped inside the profiled steps: its trace, before the report points to it
     dp.barrier()
     if not metrics:
         return None

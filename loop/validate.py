@@ -467,9 +467,9 @@ def check_profile(config) -> None:
     if p.profile_step_end <= p.profile_step_start:
         raise ConfigError(f"--profile-step-end ({p.profile_step_end}) must be after --profile-step-start "
                           f"({p.profile_step_start}): the profiled steps are start .. end - 1")
-    if p.profile_step_start > last:
-        raise ConfigError(f"--profile-step-start {p.profile_step_start} is after the run's last step "
-                          f"(--num-rollout {last}): nothing would be profiled")
+    if p.profile_step_end > last + 1:
+        raise ConfigError(f"--profile-step-end {p.profile_step_end} is past the run's end: its last step is {last} "
+                          f"(--num-rollout {last}), so at most {last + 1}")
 
 
 def validate(config, world_size: int = 1) -> None:

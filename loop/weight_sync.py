@@ -355,9 +355,19 @@ class WeightSync:
         if self.local is not None:
             self.local.release()
 
+    def _sglang_check(self, rows: str) -> str:
+        """How a push into SGLang servers (mode ``sglang``) is checked: in their load where they run redline's
+        loader (``SGLangEngine.checked_loads``: True, or None until the first push asks), else by
+        ``/weights_checker``."""
+        in_load = f"the servers' parameters checksummed as each bucket loads, {rows}"
+        hashes = "SGLang /weights_checker hashes after each push"
+        loaded = self.engine.checked_loads
+        return in_load if loaded else hashes if loaded is False else (
+            f"{in_load} where the servers load through redline's loader (asked at the first push), else {hashes}")
+
     def describe(self) -> str:
         rows = "every row" if self.row_stride == 1 else f"every {self.row_stride}th row (--check-weights: all)"
-        check = {"sglang": "SGLang /weights_checker hashes after each push",
+        check = self._sglang_check(rows) if self.mode == "sglang" else {
                  "sglang-tp": f"no check (SGLang's /weights_checker hashes its TP shards; engine TP "
                               f"{len(self.seat.ranks) if self.seat else 1}, this rank its TP rank "
                               f"{self.seat.engine_rank if self.seat else 0})",

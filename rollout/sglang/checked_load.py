@@ -17,7 +17,10 @@ the checksum it took while packing: the whole path, from its tensors to the serv
 at a sampled read of the parameters instead of SGLang's ``/weights_checker`` hash of every byte of the model.
 
 A tensor the server cannot place writes ``[0, 0, index + 1, reason]`` (``REASONS``); a loader failure is logged
-to the server's log and reported the same way instead of raised, so the server keeps serving. Engine TP = 1.
+to the server's log and reported the same way instead of raised, so the server keeps serving. The trainer packs
+each slot as ``[0, 0, UNWRITTEN, 0]``: a slot still so after the answer was not written into the trainer's buffer
+(a server on another GPU loads a copy of the payload, or one it could not read as a redline bucket, which is
+logged and left alone). Engine TP = 1.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 LOADER = "redline.rollout.sglang.checked_load.load_bucket"
 HEADER = "redline-checked-bucket:"
 RESULT_WORDS = 4  # plain, weighted, index + 1 of a tensor the server could not check (0: none), reason
+UNWRITTEN = -1  # the status word of a slot as the trainer packs it, until a server writes its result
 REASONS = {1: "the server has no parameter of that name", 2: "its bytes lie outside that parameter",
            3: "that parameter has another dtype", 4: "the loader failed (the server's log says why)"}
 LOADER_FAILED = 4
@@ -61,12 +65,16 @@ def result_slot(flat: torch.Tensor, offset: int) -> torch.Tensor:
 def load_bucket(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom-loader entry point (see the module docstring). Once the header names the result slot it
     never raises: what went wrong is written into the slot."""
-    if len(named_tensors) != 1:
-        raise ValueError(f"{LOADER} takes one (header, flat bucket) pair, got {len(named_tensors)} tensors; was "
-                         "this payload packed by redline's CheckedPacker?")
-    [(header_name, flat)] = named_tensors
-    header = decode_header(header_name)
-    result = result_slot(flat, header["result"])
+    try:
+        if len(named_tensors) != 1:
+            raise ValueError(f"{LOADER} takes one (header, flat bucket) pair, got {len(named_tensors)} tensors; "
+                             "was this payload packed by redline's CheckedPacker?")
+        [(header_name, flat)] = named_tensors
+        header = decode_header(header_name)
+        result = result_slot(flat, header["result"])
+    except Exception:  # raised here it would stop the server's scheduler; the trainer finds its slot unwritten
+        _logger.exception("%s: a payload that is not a redline bucket was left alone", LOADER)
+        return
     try:
         views = [(name, flat[start:end].view(getattr(torch, dtype)).view(shape))
                  for name, dtype, shape, start, end, _, _ in header["tensors"]]

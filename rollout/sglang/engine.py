@@ -8,6 +8,7 @@ graphs are sized with the cache, and slime resumes them together after the weigh
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
@@ -27,6 +28,8 @@ from redline.rollout.types import FinishReason, GenerateRequest, GenerateResult
 from redline.sync.sglang import update_from_distributed_body
 
 SGLANG_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
+
+_logger = logging.getLogger(__name__)
 
 
 class SGLangEngine:
@@ -134,14 +137,18 @@ class SGLangEngine:
         refcount (the server's stream synchronised before it lets go, then ``ipc_collect``) may decide when that
         memory is reused. With ``checked_loads`` the servers load through redline's loader, which checksums
         their parameters after the load, and the push raises ``WeightsMismatch`` naming the bucket unless every
-        server read back what was packed (``CheckedPacker``; ``last_push_checked`` then says so)."""
+        server read back what was packed (``CheckedPacker``; ``last_push_checked`` then says so). A server that
+        wrote no result loaded copies of the payloads (it is on another GPU): the push is left to
+        ``verify_weights`` and later ones go as flattened buckets."""
         self.last_push_checked = False
         checker = CheckedPacker(current_device(), self.checksum_row_stride, [w.url for w in self.workers]) \
             if await self._loads_checked() else None
         await self._all("begin_weight_update")
         in_flight = None  # the update request of the previous bucket
+        buckets_sent = 0
         try:
             async for bucket in iterate_buckets(buckets):
+                buckets_sent += 1
                 if checker is not None and not isinstance(bucket, SerializedBucket):
                     payloads = await asyncio.to_thread(on_device, current_device(), checker.pack, list(bucket))
                     request = self._each("update_weights_from_tensor", [((p,), LOADER, str(version))
@@ -166,8 +173,13 @@ class SGLangEngine:
             if in_flight is not None and not in_flight.done():  # a failure while packing: no request left behind
                 in_flight.cancel()
         if checker is not None:
-            await asyncio.to_thread(on_device, current_device(), checker.verify)
-            self.last_push_checked = bool(checker.packed)
+            silent = await asyncio.to_thread(on_device, current_device(), checker.verify)
+            if silent:  # they loaded copies of the payloads: this push is checked by /weights_checker, later
+                # ones go as flattened buckets
+                _logger.warning("SGLang servers %s wrote no checked-load results into the trainer's buffers (on "
+                                "another GPU?): checking their weights with /weights_checker instead", silent)
+                self.checked_loads = False
+            self.last_push_checked = not silent and 0 < len(checker.packed) == buckets_sent
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let the allocator reuse bucket memory the servers have let go of
         await self._all("end_weight_update")

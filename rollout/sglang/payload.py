@@ -66,7 +66,7 @@ class CheckedPacker:
 
     def pack(self, named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
         """One payload string per server for this bucket (tensors back to back, the plan's layout)."""
-        from redline.rollout.sglang.checked_load import RESULT_WORDS, encode_header, result_slot
+        from redline.rollout.sglang.checked_load import RESULT_WORDS, UNWRITTEN, encode_header, result_slot
         from redline.rollout.sglang.weight_check import engine_regions
         from redline.sync.checksum import new_accumulator
 
@@ -80,10 +80,12 @@ class CheckedPacker:
             nbytes += size
         slots = -(-nbytes // 8) * 8  # the result slots, 8-byte aligned after the bucket's bytes
         flat = torch.empty(slots + len(self.urls) * RESULT_WORDS * 8, dtype=torch.uint8, device=self.device)
-        flat[slots:] = 0
+        offsets = [slots + i * RESULT_WORDS * 8 for i in range(len(self.urls))]
+        words = flat[slots:].view(torch.int64).view(len(self.urls), RESULT_WORDS)
+        words.zero_()
+        words[:, 2] = UNWRITTEN  # until a server writes its result there
         acc = new_accumulator(1, self.device)[0]
         self.copier.pack(flat, nbytes, spans, [t for _, t in named_tensors], acc, self.row_stride)
-        offsets = [slots + i * RESULT_WORDS * 8 for i in range(len(self.urls))]
         payloads = tuple(serialize_payload([(encode_header(nbytes, self.row_stride, offset, rows), flat)])
                          for offset in offsets)
         self.packed.append(acc)
@@ -98,23 +100,33 @@ class CheckedPacker:
         self.results += [torch.stack(slots) for slots in self._answering[:answered]]
         del self._answering[:answered]
 
-    def verify(self) -> None:
-        """Raise ``WeightsMismatch`` unless every server read back every bucket as it was packed."""
-        from redline.rollout.sglang.checked_load import describe
+    def verify(self) -> list[str]:
+        """Raise ``WeightsMismatch`` unless every server that wrote its results read back every bucket as it was
+        packed; returns the servers that wrote none (they loaded a copy of the payloads: a server on another GPU
+        than the trainer's), whose load needs another check. A server that wrote some results but not all
+        raises too."""
+        from redline.rollout.sglang.checked_load import UNWRITTEN, describe
         from redline.rollout.sglang.weight_check import WeightsMismatch
         from redline.sync.checksum import fold
 
         self.collect()
         if not self.packed:
-            return
+            return []
         sent = fold(torch.stack(self.packed)).tolist()  # [buckets, 2]
         found = torch.stack(self.results).tolist()  # [buckets, servers, RESULT_WORDS]
+        silent = [url for i, url in enumerate(self.urls) if all(per_server[i][2] == UNWRITTEN for per_server in found)]
         for bucket, (expected, per_server) in enumerate(zip(sent, found)):
             for url, (plain, weighted, status, reason) in zip(self.urls, per_server):
+                if url in silent:
+                    continue
                 names = self.names[bucket]
                 where = f"{url}: bucket {bucket} ({len(names)} tensors, {names[0]} … {names[-1]})"
+                if status == UNWRITTEN:
+                    raise WeightsMismatch(f"{where} was not checked: the server wrote no result for it (its log "
+                                          f"may say why)")
                 if status or reason:
                     raise WeightsMismatch(f"{where} could not be checked: {describe(status, reason, names)}")
                 if [plain, weighted] != expected:
                     raise WeightsMismatch(f"{where}: the server's parameters read back checksum {[plain, weighted]}"
                                           f", the bucket sent {expected}")
+        return silent

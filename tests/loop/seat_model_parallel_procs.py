@@ -150,3 +150,71 @@ def trainer_through_seat(rank, world, port, tp, pp, results):
         dp.close()
     except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
         results.put((rank, traceback.format_exc()))
+
+
+def trainer_beside_one_gpu_engine(rank, world, port, checked, results):
+    """A TP=``world`` trainer whose leader holds an SGLang engine of one GPU (``--rollout-num-gpus-per-engine 1``):
+    the other ranks only gather. ``checked``: the server loads through redline's checked loader (the push reads the
+    export once), else it takes flattened buckets and is checked by ``/weights_checker`` (the push reads the
+    export twice: the group must agree on that per push). ``results`` gets (rank, (the sync's mode, server paths
+    or None, whether the server holds the trained weights or None))."""
+    from redline.loop.data_parallel import init_data_parallel
+    from redline.loop.parallel_sync import ModelParallelWeightSync
+    from redline.rollout.engine import SerializedBucket
+    from redline.rollout.sglang import engine as sglang_engine
+    from redline.rollout.sglang import payload, weight_check
+    from redline.rollout.sglang.engine import SGLangEngine
+    from redline.rollout.sglang.weight_check import expected_checksums
+    from redline.trainer.models import from_config
+
+    from tests.rollout.fake_sglang import FakeSGLang, FakeSGLangModel, Payloads
+    from tests.rollout.test_sglang_weight_check import byte_hash
+
+    try:
+        os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        dp = init_data_parallel(1.0, tp=world)
+        config = model_config()
+        trainer = from_config(config, dtype=torch.float32, device="cpu", seed=0, parallel=dp.state)
+        reference = from_config(config, dtype=torch.float32, device="cpu", seed=0)
+        for model in (trainer, reference):
+            with torch.no_grad():  # stands in for an optimizer step: every shard changes
+                for p in model.parameters():
+                    p.mul_(1.5).add_(0.25)
+        trained = list(reference.export_hf())
+        server, engine = None, None
+        if dp.holds_engine:
+            if checked:
+                registry = Payloads()
+                payload.serialize_payload = registry.serialize  # CUDA IPC stood in for, in this process
+                server = FakeSGLang(busy_flushes=0, loader_model=FakeSGLangModel(trained), payloads=registry)
+            else:
+                server = FakeSGLang(busy_flushes=0)
+                weight_check.sglang_tensor_hash = lambda: byte_hash
+
+                def serialize(named_tensors, tp_size=1):
+                    server.checksums.update(expected_checksums(named_tensors, byte_hash))  # "loaded" what was sent
+                    return SerializedBucket(per_rank=("bucket",) * tp_size)
+
+                sglang_engine.serialize_bucket = serialize
+            server.__enter__()
+            engine = SGLangEngine([server.url])  # attached: whether it loads checked is asked at the first push
+        sync = ModelParallelWeightSync(trainer, engine, dp, bucket_bytes=BUCKET_BYTES, offload=False, device="cpu")
+
+        async def push():
+            await sync.push("1")
+            if engine is not None:
+                await engine.shutdown()
+
+        asyncio.run(push())
+        holds = None
+        if checked and server is not None:
+            held = dict(server.loader_model.named_parameters())
+            holds = all(torch.equal(held[n][:t.shape[0]], t) for n, t in trained if n in held)
+        paths = [p for p, _ in server.calls if p not in ("/server_info", "/health")] if server else None
+        results.put((rank, (sync.mode, paths, holds)))
+        if server:
+            server.__exit__()
+        dp.close()
+    except Exception:  # noqa: BLE001 -- any failure goes to the parent, which shows the traceback
+        results.put((rank, traceback.format_exc()))

@@ -99,9 +99,10 @@ def test_a_run_profiles_its_chosen_steps(tmp_path):
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["profiled_steps"] == [2, 3] and summary["steps"] == 2
     assert {"step", "rollout", "offload_rollout", "train", "update_weights"} <= set(summary["phases"])
-    # the trace's train range per step is the step's perf/train_time, to the profiler's own overhead
+    # the phase ranges lie within the step's: the train range holds the step's timed train phase
+    phases = summary["phases"]
     train_time = sum(r["perf/train_time"] for r in rows if r.get("perf/profiled")) / 2
-    assert summary["phases"]["train"]["wall_s"] == pytest.approx(train_time, rel=0.2)
+    assert train_time <= phases["train"]["wall_s"] < phases["step"]["wall_s"]
     assert (folder / "trace.json.gz").stat().st_size > 0
     assert "profile of steps [2, 3]: profile/rank0/summary.md" in (tmp_path / "report.md").read_text()
 
@@ -111,8 +112,8 @@ def test_a_run_profiles_its_chosen_steps(tmp_path):
     ({"use_pytorch_profiler": "true", "profile_step_start": "0"}, "--profile-step-start must be >= 1"),
     ({"use_pytorch_profiler": "true", "profile_step_start": "3", "profile_step_end": "3"},
      "--profile-step-end (3) must be after --profile-step-start (3)"),
-    ({"use_pytorch_profiler": "true", "profile_step_start": "5", "profile_step_end": "6"},
-     "--profile-step-start 5 is after the run's last step (--num-rollout 4)"),
+    ({"use_pytorch_profiler": "true", "profile_step_start": "4", "profile_step_end": "6"},
+     "--profile-step-end 6 is past the run's end: its last step is 4 (--num-rollout 4), so at most 5"),
 ])
 def test_profile_settings_are_checked_at_start_up(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -92,10 +92,11 @@ class Payloads:
 
 class FakeSGLang:
     def __init__(self, version="0.5.17", delay=0.0, busy_flushes=1, hash_fn=None, corrupt_bucket=None,
-                 control_delay=0.0, loader_model=None, payloads=None):
+                 control_delay=0.0, loader_model=None, payloads=None, copies_payload=False):
         self.version, self.delay, self.busy_flushes, self.hash_fn = version, delay, busy_flushes, hash_fn
         # redline's checked loader (``--custom-weight-loader``): the model it loads into, the serialized payloads
         self.loader_model, self.payloads = loader_model, payloads
+        self.copies_payload = copies_payload  # loads a copy of each payload, as a server on another GPU does
         # seconds each weight update, memory release / resume and /weights_checker takes to answer
         self.control_delay = control_delay
         self.corrupt_bucket = corrupt_bucket  # index of a received bucket whose first byte is flipped on arrival
@@ -187,6 +188,8 @@ class FakeSGLang:
                 if self.buckets_received == self.corrupt_bucket:  # the first byte flipped on arrival
                     named[0][1][0] ^= 1
                 self.buckets_received += 1
+                if self.copies_payload:
+                    named = [(name, tensor.clone()) for name, tensor in named]
                 load_bucket(self.loader_model, named)
             self.weight_version = body.get("weight_version") or self.weight_version
             return 200, {"success": True, "message": "Success"}

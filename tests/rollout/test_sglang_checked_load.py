@@ -131,11 +131,31 @@ def test_a_failing_load_is_reported_not_raised_in_the_server(payloads):
         packer.verify()
 
 
-def test_a_payload_not_packed_by_redline_is_refused():
-    with pytest.raises(ValueError, match="not a redline bucket header"):
-        load_bucket(FakeSGLangModel(bucket()), [("x", torch.zeros(4, dtype=torch.uint8))])
-    with pytest.raises(ValueError, match="one \\(header, flat bucket\\) pair, got 2"):
-        load_bucket(FakeSGLangModel(bucket()), [("x", torch.zeros(4, dtype=torch.uint8))] * 2)
+def test_a_payload_not_packed_by_redline_is_logged_and_left_alone(caplog):
+    model = FakeSGLangModel(bucket())
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    for named in ([("x", torch.zeros(4, dtype=torch.uint8))], [("x", torch.zeros(4, dtype=torch.uint8))] * 2):
+        assert load_bucket(model, named) is None  # raised, it would stop the server's scheduler
+    assert "not a redline bucket header" in caplog.text and "one (header, flat bucket) pair, got 2" in caplog.text
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_server_that_loads_a_copy_is_reported_as_unchecked_not_as_a_mismatch(payloads):
+    named = bucket()
+    packer = CheckedPacker(torch.device("cpu"), 1, URLS)
+    keys = packer.pack(named)
+    load_bucket(FakeSGLangModel(named), payloads.get(keys[0]))  # writes into the trainer's buffer
+    load_bucket(FakeSGLangModel(named), [(h, f.clone()) for h, f in payloads.get(keys[1])])  # another GPU: a copy
+    assert packer.verify() == ["http://b"]
+
+
+def test_a_server_that_wrote_some_results_but_not_all_fails_the_push(payloads):
+    named = bucket()
+    packer = CheckedPacker(torch.device("cpu"), 1, URLS[:1])
+    load(packer, payloads, named, [FakeSGLangModel(named)])
+    packer.pack(named)  # bucket 1: never loaded
+    with pytest.raises(WeightsMismatch, match=r"http://a: bucket 1 .* was not checked: the server wrote no result"):
+        packer.verify()
 
 
 def test_the_engine_checks_while_it_loads_and_skips_weights_checker(payloads):
@@ -169,3 +189,26 @@ def test_the_engine_checks_while_it_loads_and_skips_weights_checker(payloads):
         assert "/weights_checker" not in server.paths()
     params = dict(server.loader_model.named_parameters())
     assert torch.equal(params["model.layers.0.mlp.down_proj.weight"], dict(named)["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_servers_that_load_copies_leave_the_push_to_weights_checker(payloads, caplog):
+    pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
+    from redline.rollout.sglang.engine import SGLangEngine
+
+    from .fake_sglang import FakeSGLang
+
+    named = bucket()
+    server = FakeSGLang(busy_flushes=0, loader_model=FakeSGLangModel(named), payloads=payloads, copies_payload=True)
+    with server:
+        engine = SGLangEngine([server.url])
+
+        async def push():
+            try:
+                await engine.update_weights([named], "1")
+            finally:
+                await engine.shutdown()
+
+        asyncio.run(push())
+    assert not engine.last_push_checked  # the loop runs /weights_checker after such a push
+    assert engine.checked_loads is False  # later pushes go as flattened buckets
+    assert "wrote no checked-load results" in caplog.text
