@@ -4,6 +4,9 @@
     python3 benchmarks/parallel_acceptance.py OUTDIR --only tp2-sp-sglang2   # one run; the report covers every
                                                                   # run with a result in OUTDIR (models kept)
     python3 benchmarks/parallel_acceptance.py OUTDIR --dry-run    # the plan, the commands, the configs; no run
+    python3 benchmarks/parallel_acceptance.py OUTDIR --profile    # also trace each run's last step: per phase,
+                                                                  # rank 0's GPU idle share and NCCL time not
+                                                                  # overlapped by compute (why a scaling misses)
     python3 benchmarks/parallel_acceptance.py OUTDIR --cpu --model tiny --base-config examples/quickstart.toml \
         --dtype float32 --slice-layers 2 --steps 2 --extra "--rollout-batch-size 4 --global-batch-size 32 \
         --sft-steps 0"                                           # the smoke test on a CPU machine (gloo)
