@@ -123,3 +123,24 @@ def test_profile_settings_are_checked_at_start_up(tmp_path, overrides, message):
 def test_profile_defaults_pass_the_check(tmp_path):
     assert check_profile(small_config(tmp_path)) is None
     assert check_profile(small_config(tmp_path, use_pytorch_profiler="true")) is None
+
+
+@pytest.mark.gpu
+def test_a_cuda_trace_charges_its_kernels_to_the_phase(tmp_path):
+    import torch
+
+    profiler = StepProfiler(range(1, 2), tmp_path)
+    profiler.begin_step(1)
+    profiler.phase("train")
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):
+        x = x @ x / 64
+    torch.cuda.synchronize()
+    profiler.phase("update_weights")
+    torch.cuda.synchronize()
+    assert profiler.end_step(1) == {"perf/profiled": 1.0}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    gpu = summary["phases"]["train"]["gpus"][str(torch.cuda.current_device())]
+    assert gpu["kernels"] >= 4 and 0 < gpu["busy_s"] <= summary["phases"]["train"]["wall_s"]
+    top = summary["phases"]["train"]["top_kernels"][0]  # the matmuls (cuBLAS names its kernels per release)
+    assert top["calls"] >= 4 and top["seconds"] <= gpu["busy_s"]
