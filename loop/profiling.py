@@ -180,10 +180,11 @@ def summarize_trace(trace: dict, steps: int = 1) -> dict:
                 piece = _clip(e["ts"], e["ts"] + e["dur"], lo, hi)
                 if piece is None:
                     continue
-                gpu = per_gpu[int(e.get("args", {}).get("device", 0))]
+                device = int(e.get("args", {}).get("device", 0))
+                gpu = per_gpu[device]
                 gpu["all"].append(piece)
                 if e["cat"] == "kernel":
-                    kernels[int(e.get("args", {}).get("device", 0))] += 1
+                    kernels[device] += 1
                     gpu["nccl" if is_communication(e["name"]) else "compute"].append(piece)
                     heaviest[e["name"]][0] += piece[1] - piece[0]
                     heaviest[e["name"]][1] += 1
@@ -210,7 +211,8 @@ PHASE_ORDER = ("step", "rollout", "offload_rollout", "logprob", "train", "update
 
 def summary_markdown(summary: dict) -> str:
     """``summary`` (``summarize_trace``) as tables: phases by GPU, then each phase's heaviest kernels."""
-    order = sorted(summary["phases"], key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER), p))
+    rank = {phase: i for i, phase in enumerate(PHASE_ORDER)}
+    order = sorted(summary["phases"], key=lambda p: (rank.get(p, len(PHASE_ORDER)), p))
     lines = [f"# Profile: what the GPU did per phase (per step, over {summary['steps']} profiled step(s): "
              f"{summary.get('profiled_steps', '')})", "",
              "| phase | wall s | GPU | busy s | idle | NCCL s | NCCL not overlapped s | copies s | kernels |",
