@@ -1,6 +1,7 @@
 """The ``redline`` console script: ``redline env``, ``redline train``, ``redline bench report``."""
 
 import dataclasses
+import faulthandler
 import json
 import sys
 
@@ -100,6 +101,9 @@ def _train_command():
         from redline.loop import run_training
 
         exit_on_sigterm()
+        # a native crash or abort (a segfault in an extension, a C++ std::terminate in a process group's teardown)
+        # prints every thread's Python stack to stderr, naming where the run was: under torchrun, per rank
+        faulthandler.enable(all_threads=True)
         try:
             code = run_training(config, config_path=config_path)
         except user_errors() as exc:
