@@ -65,7 +65,9 @@ def train(out, model, *args, processes: int = 1):
     cmd = [*launcher, "-m", "redline.cli", "train", *ARGS, "--hf-checkpoint", str(model), "--output-dir", str(out),
            *args]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    crash = done.stderr.find("Fatal Python error")  # a rank's native abort: its threads' stacks (faulthandler)
+    assert done.returncode == 0, done.stdout[-3000:] + (done.stderr[crash:crash + 6000] if crash >= 0 else "") \
+        + done.stderr[-3000:]
     (out / "console.log").write_text(done.stdout)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
