@@ -102,8 +102,11 @@ def _train_command():
 
         exit_on_sigterm()
         # a native crash or abort (a segfault in an extension, a C++ std::terminate in a process group's teardown)
-        # prints every thread's Python stack to stderr, naming where the run was: under torchrun, per rank
-        faulthandler.enable(all_threads=True)
+        # prints every thread's Python stack to the process's stderr, naming where the run was: under torchrun,
+        # per rank (the process's own stream: sys.stderr may be one without a file descriptor, as click's test
+        # runner's is)
+        if sys.__stderr__ is not None:
+            faulthandler.enable(file=sys.__stderr__, all_threads=True)
         try:
             code = run_training(config, config_path=config_path)
         except user_errors() as exc:
