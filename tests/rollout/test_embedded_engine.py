@@ -155,7 +155,9 @@ def test_prompt_longer_than_cache_rejected(model_dir):
 
 def test_pause_aborts_running_requests_and_resume_serves_again(model_dir):
     async def scenario(engine):
-        long = GenerateRequest(engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=10_000))
+        # ignore_eos: the random model may draw EOS before the pause, and the request must still run then
+        long = GenerateRequest(engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=10_000,
+                                                                                  ignore_eos=True))
         task = asyncio.create_task(engine.generate([long]))
         while not any(engine._slots):
             await asyncio.sleep(0.01)
@@ -287,7 +289,8 @@ def test_unknown_memory_tag_rejected(model_dir):
 def test_pause_aborts_queued_requests_and_rejects_new_ones_until_resume(model_dir):
     async def scenario(engine):
         ids = engine.tokenizer.encode(PROMPTS[0])
-        long = [GenerateRequest(ids, SamplingParams(max_new_tokens=10_000)) for _ in range(3)]  # 2 rows: 1 queued
+        # 2 rows: 1 queued; ignore_eos: none may end on its own before the pause (a random model draws EOS)
+        long = [GenerateRequest(ids, SamplingParams(max_new_tokens=10_000, ignore_eos=True)) for _ in range(3)]
         task = asyncio.create_task(engine.generate(long))
         while sum(job is not None for job in engine._slots) < 2:
             await asyncio.sleep(0.01)
