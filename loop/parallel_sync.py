@@ -242,6 +242,8 @@ class ModelParallelWeightSync(WeightSync):
         if not dp.holds_engine:
             self.mode = "contributor"
         self.passes = dp.from_model_leader(lambda: SYNC_PASSES.get(self.mode, 1))
+        # only an SGLang leader may read the export once more after a push, and only it says so per push
+        self.leader_checks_after_sync = dp.from_model_leader(lambda: self.mode == "sglang")
 
     def _seat_buckets(self):
         return seat_parts(self.model.model, self.plan, self.model.stage_names)
@@ -251,17 +253,18 @@ class ModelParallelWeightSync(WeightSync):
             return await super()._sync(version)
         if self.mode != "contributor":
             await super()._sync(version)
-            self.dp.from_model_leader(self._checked_after_sync)
+            if self.leader_checks_after_sync:
+                self.dp.from_model_leader(self._checked_after_sync)
             return
         for _ in range(self.passes):
             self._contribute()
-        if self.dp.from_model_leader(lambda: None):
+        if self.leader_checks_after_sync and self.dp.from_model_leader(lambda: None):
             self._contribute()  # the leader's check after the sync
 
     def _checked_after_sync(self) -> bool:
-        """Whether the leader's push reads the export once more after the sync: SGLang servers whose load did not
+        """Whether the SGLang leader's push reads the export once more after the sync: servers whose load did not
         check itself are checked by ``/weights_checker`` (known only once the push has run)."""
-        return self.mode == "sglang" and not self.engine.last_push_checked
+        return not self.engine.last_push_checked
 
     def _contribute(self) -> None:
         for _ in self.model.export_hf():  # this rank's shards gathered to the leader, bucket by bucket
