@@ -1,7 +1,7 @@
 """Issue 18's GPU acceptance in one command: what Ray adds to the RL step of the 50M quickstart on one GPU.
 
     python3 benchmarks/ray_acceptance.py OUTDIR [--engines embedded,embedded-process,sglang,disaggregated]
-                                                [--num-rollout 30]
+                                                [--num-rollout 30] [--repeats 3]
 
 For each engine (colocated on the one GPU: the in-process embedded engine, the embedded engine in its own process,
 SGLang when it is installed; and with two GPUs visible ``disaggregated``: the trainer on GPU 0, an embedded engine
@@ -14,7 +14,9 @@ OUTDIR/<engine>-<placement>/ (metrics.jsonl, report.md, placement.json under Ray
 and OUTDIR/summary.md + summary.json: per run the median ``perf/step_time`` and phase times (a table of them in
 summary.md) over the steps after the first two (step 1 pays first-call costs), the final eval reward, the whole
 command's wall time (Ray's start-up included), and Ray's overhead on the median step, (ray - no-ray) / no-ray; the
-issue's target is at most 2 %.
+issue's target is at most 2 %. ``--repeats N`` runs every pair N times, alternating the order each time, and
+reports per run the median over its repeats (each repeat's median step listed beside it): the same code's step
+differs by several per cent between single runs, more than the 2 % the target resolves.
 
 ``--config`` takes another TOML; the CPU smoke test runs ``examples/quickstart.toml --num-rollout 3``.
 Ray must be installed on the machine (``python3 ../shared/device/stage.py ray`` stages it for the offline GPU box).
@@ -70,6 +72,17 @@ def run(out: Path, name: str, config: str, flags: list[str]) -> dict:
             **{f"median {k}": statistics.median(r[k] for r in steps) if steps else None for k in PHASES}}
 
 
+def over_repeats(repeats: list[dict]) -> dict:
+    """One run's result over its repeats: medians of the repeats' medians, every repeat's exit code and step."""
+    merged = {**repeats[0], "exit_code": max((r["exit_code"] for r in repeats), key=abs),
+              "repeat_steps": [r["median perf/step_time"] for r in repeats]}
+    for key in [k for k in repeats[0] if k.startswith("median ")]:
+        values = [r[key] for r in repeats if r[key] is not None]
+        merged[key] = statistics.median(values) if values else None
+    merged["wall_s"] = statistics.median(r["wall_s"] for r in repeats)
+    return merged
+
+
 def phase_table(results: dict) -> str:
     """Where the time goes: every run's median phase times (ms) and its step against its engine's run without Ray;
     ``ray-no-ft`` is Ray without engine fault tolerance, ``no-ray-ft`` fault tolerance without Ray."""
@@ -89,6 +102,7 @@ def main() -> int:
     parser.add_argument("--config", default="examples/quickstart_gpu_50m.toml")
     parser.add_argument("--engines", default="embedded,embedded-process,sglang,disaggregated")
     parser.add_argument("--num-rollout", type=int, default=None, help="RL steps per run (default: the config's)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every engine and placement, alternating")
     args = parser.parse_args()
     write_environment(args.out)  # device, versions, date, commit beside the summary
     extra = ["--num-rollout", str(args.num_rollout)] if args.num_rollout else []
@@ -103,18 +117,23 @@ def main() -> int:
     if "disaggregated" in engines and int(gpus or 0) < 2:
         print(f"{gpus or 0} GPU(s) visible: the disaggregated runs (2 GPUs) are skipped")
         engines.remove("disaggregated")
-    results = {}
-    for i, engine in enumerate(engines):
-        placements = {**PLACEMENTS, **(FAULT_TOLERANCE_RUNS if engine in WATCHED_ENGINES else {})}
-        order = list(placements) if i % 2 == 0 else list(reversed(placements))
-        for placement in order:
-            name = f"{engine}-{placement}"
-            print(f"running {name} ...", flush=True)
-            results[name] = {"engine": engine, "placement": placement,
-                             **run(args.out, name, args.config, [*ENGINES[engine], *placements[placement], *extra])}
-            print(f"  {results[name]}", flush=True)
+    repeats: dict[str, list[dict]] = {}
+    for repeat in range(args.repeats):
+        for i, engine in enumerate(engines):
+            placements = {**PLACEMENTS, **(FAULT_TOLERANCE_RUNS if engine in WATCHED_ENGINES else {})}
+            order = list(placements) if (i + repeat) % 2 == 0 else list(reversed(placements))
+            for placement in order:
+                name = f"{engine}-{placement}"
+                folder = name if repeat == 0 else f"{name}-{repeat + 1}"
+                print(f"running {folder} ...", flush=True)
+                result = {"engine": engine, "placement": placement,
+                          **run(args.out, folder, args.config, [*ENGINES[engine], *placements[placement], *extra])}
+                repeats.setdefault(name, []).append(result)
+                print(f"  {result}", flush=True)
+    results = {name: over_repeats(runs) for name, runs in repeats.items()}
     rows = [("| engine | no Ray: median step (s) | Ray: median step (s) | Ray overhead | eval reward no Ray / Ray | "
-             "wall s no Ray / Ray | exit codes |"), "| --- | ---: | ---: | ---: | --- | --- | --- |"]
+             "wall s no Ray / Ray | exit codes | repeats' steps no Ray / Ray (s) |"),
+            "| --- | ---: | ---: | ---: | --- | --- | --- | --- |"]
     # a rank's torch threads and niceness under Ray (placement.json) against a process of its own's
     ranks = {name: json.loads((args.out / name / "placement.json").read_text())[0]["attempts"][0]
              for name in results if (args.out / name / "placement.json").exists()}
@@ -130,11 +149,12 @@ def main() -> int:
         fmt = lambda v: "–" if v is None else f"{v:.4f}"
         rows.append(f"| {engine} | {fmt(a)} | {fmt(b)} | {verdict} | {base['eval_reward_last']} / "
                     f"{ray['eval_reward_last']} | {base['wall_s']:.0f} / {ray['wall_s']:.0f} | {base['exit_code']} / "
-                    f"{ray['exit_code']} |")
+                    f"{ray['exit_code']} | {', '.join(fmt(v) for v in base['repeat_steps'])} / "
+                    f"{', '.join(fmt(v) for v in ray['repeat_steps'])} |")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "summary.md").write_text(
         f"# Ray's overhead on the RL step ({args.config})\n\nMedians over the steps after "
-        f"step {SKIPPED_STEPS}. torch threads without Ray: {threads}; under Ray (rank 0: threads, niceness): "
+        f"step {SKIPPED_STEPS}, then over {args.repeats} repeat(s) of each run. torch threads without Ray: {threads}; under Ray (rank 0: threads, niceness): "
         + (", ".join(f"{n} {r.get('torch_threads')}, {r.get('niceness')}" for n, r in ranks.items()) or "–")
         + "\n\n" + "\n".join(rows) + "\n\n" + phase_table(results) + "\n")
     print((args.out / "summary.md").read_text())

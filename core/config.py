@@ -26,6 +26,11 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = option(1, "tensor-parallel size (TP)")
     pipeline_model_parallel_size: int = option(1, "pipeline-parallel size (PP)")
+    decoder_first_pipeline_num_layers: int | None = option(
+        None, "decoder layers on the first pipeline stage (Megatron's flag); unset: the stages are balanced with "
+        "the LM head's cost counted on the last stage (redline.trainer.parallel.stages)")
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, "decoder layers on the last pipeline stage, which also runs the LM head; unset: balanced as above")
     sequence_parallel: bool = option(False, "sequence parallelism with TP")
     colocate: bool = option(True, "trainer and engines share the same GPUs")
     rollout_num_gpus: int = option(1, "--no-colocate: GPUs for the rollout engines, one engine per "

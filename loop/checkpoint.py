@@ -64,6 +64,8 @@ def save(root: Path, rollout_id: int, model, tokenizer_dir: Path, state: dict, r
             model.save_pretrained(tmp / "model")
         copy_tokenizer(tokenizer_dir, tmp / "model")
         layout = {"dp": dp.world, "tp": dp.state.tp if dp.state else 1, "pp": dp.state.pp if dp.state else 1}
+        if layout["pp"] > 1:
+            layout["stages"] = dp.state.stage_sizes(model.spec)
         order = {"rank_order": RANK_ORDER} if layout["dp"] > 1 and layout["pp"] > 1 else {}  # else either order
         state_file.save(tmp / "state", {**state, "rollout_id": rollout_id, "layout": layout, **order})
     dp.barrier()

@@ -238,7 +238,9 @@ def run(config, config_path=None) -> int:
     check_distributed_timeout(config)
     p = config.parallel
     dp = init_data_parallel(p.distributed_timeout_minutes, p.tensor_model_parallel_size,
-                            p.pipeline_model_parallel_size, p.sequence_parallel)
+                            p.pipeline_model_parallel_size, p.sequence_parallel,
+                            first_stage_layers=p.decoder_first_pipeline_num_layers,
+                            last_stage_layers=p.decoder_last_pipeline_num_layers)
     console = Console(quiet=not dp.is_main)
     try:
         with deterministic_algorithms():  # same seed, same result on a CPU machine (loop/determinism.py)

@@ -248,14 +248,36 @@ def check_engine(config) -> None:
             raise ConfigError(f"--sglang-args {arg}: set the memory fraction with --sglang-mem-fraction-static")
 
 
-def layout_of(config, world_size: int) -> dict[str, int]:
-    """The run's parallel layout ``{"dp", "tp", "pp"}`` for ``world_size`` processes."""
+def layout_of(config, world_size: int) -> dict:
+    """The run's parallel layout ``{"dp", "tp", "pp"}`` for ``world_size`` processes; under PP also ``"stages"``,
+    the decoder layers of each stage (``pipeline_stage_sizes``), when the model's config is readable."""
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
-    return {"dp": world_size // (tp * pp), "tp": tp, "pp": pp}
+    layout = {"dp": world_size // (tp * pp), "tp": tp, "pp": pp}
+    spec = _model_spec(config.model.hf_checkpoint)
+    if pp > 1 and spec is not None:
+        layout["stages"] = pipeline_stage_sizes(config, spec)
+    return layout
 
 
-def describe_layout(layout: dict[str, int]) -> str:
-    return f"DP={layout['dp']} × TP={layout['tp']} × PP={layout['pp']}"
+def pipeline_stage_sizes(config, spec) -> list[int]:
+    """Decoder layers per pipeline stage for the model ``spec``, as the trainer will split it; ConfigError naming
+    the flags when ``--decoder-first/last-pipeline-num-layers`` cannot be met."""
+    from redline.trainer.parallel.stages import head_cost_layers, stage_sizes
+
+    p = config.parallel
+    try:
+        return stage_sizes(spec.num_layers, p.pipeline_model_parallel_size, first=p.decoder_first_pipeline_num_layers,
+                           last=p.decoder_last_pipeline_num_layers, head_layers=head_cost_layers(spec))
+    except ValueError as exc:
+        raise ConfigError(f"--decoder-first-pipeline-num-layers {p.decoder_first_pipeline_num_layers} / "
+                          f"--decoder-last-pipeline-num-layers {p.decoder_last_pipeline_num_layers} with "
+                          f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} and the model's "
+                          f"{spec.num_layers} layers ({config.model.hf_checkpoint}/config.json): {exc}") from None
+
+
+def describe_layout(layout: dict) -> str:
+    stages = f" (layers {'+'.join(map(str, layout['stages']))})" if "stages" in layout else ""
+    return f"DP={layout['dp']} × TP={layout['tp']} × PP={layout['pp']}{stages}"
 
 
 def check_load(load, layout: dict[str, int]) -> None:
@@ -269,11 +291,15 @@ def check_load(load, layout: dict[str, int]) -> None:
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     saved = saved_layout(folder)
+    if "stages" in layout and "stages" not in saved and saved["pp"] == layout["pp"]:
+        # saved before the split was balanced: the layers split evenly, the earlier stages one longer
+        layers, pp = sum(layout["stages"]), saved["pp"]
+        saved["stages"] = [layers // pp + (s < layers % pp) for s in range(pp)]
     if saved != layout:
         raise ConfigError(f"--load {folder}: saved at layout {describe_layout(saved)}, this run is "
                           f"{describe_layout(layout)} (--tensor-model-parallel-size, "
-                          f"--pipeline-model-parallel-size, torchrun processes); resume at the saved layout: "
-                          f"optimizer shards are not resharded")
+                          f"--pipeline-model-parallel-size, --decoder-first/last-pipeline-num-layers, torchrun "
+                          f"processes); resume at the saved layout: optimizer shards are not resharded")
     order = saved_rank_order(folder) if saved["dp"] > 1 and saved["pp"] > 1 else RANK_ORDER
     if order != RANK_ORDER:
         raise ConfigError(f"--load {folder}: saved at {describe_layout(saved)} with ranks ordered "
@@ -324,6 +350,11 @@ def check_model_parallel(config, world_size: int) -> None:
     if p.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits tokens over the tensor-parallel group: it needs "
                           "--tensor-model-parallel-size > 1 (got 1)")
+    for flag, value in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
+                        ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
+        if value is not None and pp == 1:
+            raise ConfigError(f"{flag} {value} places layers on pipeline stages: it needs "
+                              "--pipeline-model-parallel-size > 1 (got 1)")
     if tp * pp == 1:
         return
     if pp > 1 and config.algo.advantage_estimator == "ppo":
@@ -346,6 +377,8 @@ def check_model_parallel(config, world_size: int) -> None:
     if spec.num_layers < pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} is more than the model's num_hidden_layers "
                           f"({spec.num_layers}): every stage needs a layer")
+    if pp > 1:
+        pipeline_stage_sizes(config, spec)
 
 
 def _model_spec(path: str | None):

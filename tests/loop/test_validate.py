@@ -240,6 +240,20 @@ def test_pp_needs_a_layer_per_stage(even_vocab_model, data_file):
         validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="3"), world_size=3)
 
 
+def test_pipeline_stage_layer_counts_are_checked_at_start_up(even_vocab_model, data_file):
+    with pytest.raises(ConfigError, match=r"--decoder-last-pipeline-num-layers 1 places layers on pipeline stages: it "
+                                          r"needs --pipeline-model-parallel-size > 1 \(got 1\)"):
+        validate(config_with(even_vocab_model, data_file, decoder_last_pipeline_num_layers="1"))
+    config = config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2",
+                         decoder_first_pipeline_num_layers="2")
+    with pytest.raises(ConfigError, match=r"--decoder-first-pipeline-num-layers 2 / --decoder-last-pipeline-num-layers "
+                                          r"None with --pipeline-model-parallel-size 2 and the model's 2 layers .*"
+                                          r"every stage needs at least one layer"):
+        validate(config, world_size=2)
+    validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2",
+                         decoder_first_pipeline_num_layers="1"), world_size=2)
+
+
 def test_sequence_parallel_needs_tp(even_vocab_model, data_file):
     with pytest.raises(ConfigError, match=r"--sequence-parallel .* needs --tensor-model-parallel-size > 1 \(got 1\)"):
         validate(config_with(even_vocab_model, data_file, sequence_parallel="true"), world_size=2)
@@ -266,8 +280,17 @@ def test_load_at_another_layout_is_refused_naming_both(even_vocab_model, data_fi
     config = config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", load=str(tmp_path))
     with pytest.raises(ConfigError, match=r"saved at layout DP=1 × TP=1 × PP=2, this run is DP=1 × TP=2 × PP=1"):
         validate(config, world_size=2)
+    # saved before stage splits were recorded: the even split (1 + 1 here), which this run's split equals
     validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2", load=str(tmp_path)),
              world_size=2)
+
+
+def test_load_with_another_pipeline_split_is_refused_naming_both(even_vocab_model, data_file, tmp_path):
+    saved_checkpoint(tmp_path, ranks=2, layout={"dp": 1, "tp": 1, "pp": 2, "stages": [2, 1]})
+    config = config_with(even_vocab_model, data_file, pipeline_model_parallel_size="2", load=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"saved at layout DP=1 × TP=1 × PP=2 \(layers 2\+1\), this run is "
+                                          r"DP=1 × TP=1 × PP=2 \(layers 1\+1\) .*--decoder-first/last-pipeline"):
+        validate(config, world_size=2)
 
 
 def test_async_rollout_is_refused_under_model_parallelism(even_vocab_model, data_file):

@@ -22,7 +22,7 @@ from redline.trainer.models import from_config
 from redline.trainer.parallel import ParallelConfig, clip_grad_norm, finalize_grads, one_f_one_b
 from redline.trainer.parallel.async_tp import FUSED_OPS, all_gather_linear, linear_reduce_scatter
 from redline.trainer.parallel.comm import gather_tokens, reduce_scatter_tokens
-from redline.trainer.parallel.pipeline import stage_layers
+from redline.trainer.parallel.stages import stage_layers
 
 LENGTHS = (5, 9, 2)  # 16 tokens: divisible by tp for sequence parallelism
 
@@ -256,11 +256,11 @@ def test_tp_overlap_auto_is_off_and_symm_mem_is_refused_on_gloo(config_of, tmp_p
     run_on_ranks(tp_overlap_choice_worker, tmp_path, config_of("qwen3"))
 
 
-def pp_worker(rank, config, micro_lengths):
+def pp_worker(rank, config, micro_lengths, first_stage_layers=None):
     stages = dist.get_world_size()
     reference = from_config(config, dtype=torch.float32, device=device(), seed=0)
     stage = from_config(config, dtype=torch.float32, device=device(), seed=0,
-                        parallel=ParallelConfig(pp=stages))
+                        parallel=ParallelConfig(pp=stages, first_stage_layers=first_stage_layers))
     micro_batches = [batch(config, lengths, seed=i) for i, lengths in enumerate(micro_lengths)]
     scale = 1.0 / len(micro_batches)
     expected = []
@@ -279,7 +279,7 @@ def pp_worker(rank, config, micro_lengths):
         torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
     else:
         assert losses == []
-    assert sorted(stage.layers, key=int) == [str(i) for i in stage_layers(config.num_hidden_layers, stages, rank)]
+    assert sorted(stage.layers, key=int) == [str(i) for i in stage_layers(state.stage_sizes(stage.spec), rank)]
     reference_params = dict(reference.named_parameters())
     for name, param in stage.named_parameters():
         # the last stage's tied LM-head copy carries the embedding's gradient
@@ -306,6 +306,14 @@ def test_three_stage_pipeline_matches_single_process(config_of, tmp_path):
     run_on_ranks(pp_worker, tmp_path, config, [(5, 3), (7,), (2, 2, 4), (6,), (3,)], ranks=3)
 
 
+@pytest.mark.slow
+def test_uneven_pipeline_split_matches_single_process(config_of, tmp_path):
+    # --decoder-first-pipeline-num-layers 3 of 4: the last stage holds one layer beside the LM head
+    config = config_of("qwen3-tied")
+    config.num_hidden_layers = 4
+    run_on_ranks(pp_worker, tmp_path, config, [(5, 3), (7,), (2, 2, 4)], 3)
+
+
 @pytest.mark.multigpu
 def test_pipeline_over_nccl_matches_single_gpu(config_of, tmp_path):
     run_on_ranks(pp_worker, tmp_path, config_of("qwen3-tied"), [(5, 3), (7,), (2, 2, 4), (6,)], nccl=True)
@@ -320,12 +328,13 @@ def test_pipeline_over_nccl_with_messages_larger_than_nccl_buffers(config_of, tm
     run_on_ranks(pp_worker, tmp_path, config, [(4096,), (1000, 3096), (4096,)], nccl=True)
 
 
-def stage_of(hf_name, num_layers, pp):
-    """The pipeline stage that holds ``hf_name``: its layer's, the embedding on the first, the rest on the last."""
+def stage_of(hf_name, sizes):
+    """The pipeline stage that holds ``hf_name`` (``sizes``: layers per stage): its layer's, the embedding on the
+    first, the rest on the last."""
     if hf_name.startswith("model.layers."):
         layer = int(hf_name.split(".")[2])
-        return next(s for s in range(pp) if layer in stage_layers(num_layers, pp, s))
-    return 0 if hf_name == "model.embed_tokens.weight" else pp - 1
+        return next(s for s in range(len(sizes)) if layer in stage_layers(sizes, s))
+    return 0 if hf_name == "model.embed_tokens.weight" else len(sizes) - 1
 
 
 def pp_export_worker(rank, config, tp, directory):
@@ -339,7 +348,7 @@ def pp_export_worker(rank, config, tp, directory):
         assert torch.equal(tensor, want), name
     pp_rank = model.parallel_state.pp_rank
     assert [name for name, _ in model.export_hf(stage_only=True)] == [
-        name for name, _ in expected if stage_of(name, config.num_hidden_layers, pp) == pp_rank]
+        name for name, _ in expected if stage_of(name, model.parallel_state.stage_sizes(model.spec)) == pp_rank]
     model.save_pretrained(directory / f"rank{rank}")  # by default only global rank 0 writes
 
 

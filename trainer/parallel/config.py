@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from redline.trainer.parallel.async_tp import check_tp_overlap
+from redline.trainer.parallel.stages import head_cost_layers, stage_sizes
 
 MESH_DIMS = ("dp", "pp", "tp")  # outermost first: the rank order of ``ParallelConfig.global_rank``
 
@@ -17,13 +18,21 @@ class ParallelConfig:
     """Degrees of tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism; ``sp`` turns on sequence
     parallelism inside the TP group; ``tp_overlap`` (``"auto"``, ``"off"``, ``"symm_mem"``) whether SP's
     collectives run micro-pipelined with the GEMMs (``async_tp``; ``"auto"``: wherever they can).
-    ``tp * pp * dp`` must equal the world size."""
+    ``tp * pp * dp`` must equal the world size. ``first_stage_layers`` / ``last_stage_layers``: decoder layers
+    on the first / last pipeline stage (None: ``stages.stage_sizes`` balances them, the LM head counted)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     sp: bool = False
     tp_overlap: str = "auto"
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def stage_sizes(self, spec) -> list[int]:
+        """Decoder layers per pipeline stage of a model of ``spec`` (a ``ModelSpec``), first to last."""
+        return stage_sizes(spec.num_layers, self.pp, first=self.first_stage_layers, last=self.last_stage_layers,
+                           head_layers=head_cost_layers(spec))
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
@@ -85,6 +94,10 @@ class ParallelState:
     @property
     def sp(self) -> bool:
         return self.config.sp
+
+    def stage_sizes(self, spec) -> list[int]:
+        """Decoder layers per pipeline stage (``ParallelConfig.stage_sizes``)."""
+        return self.config.stage_sizes(spec)
 
     def pp_peer(self, offset: int) -> int:
         """Global rank of the pipeline stage ``offset`` away from this one (same tp/dp coordinates)."""

@@ -15,23 +15,15 @@ import torch.distributed as dist
 from torch import nn
 
 from redline.trainer.parallel.config import ParallelState
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """Layer indices of ``stage``: contiguous, the first ``num_layers % pp`` stages one layer longer."""
-    if num_layers < pp:
-        raise ValueError(f"num_hidden_layers={num_layers} is less than pp={pp}")
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (stage < extra))
+from redline.trainer.parallel.stages import stage_layers
 
 
 def split_stage(model: nn.Module, state: ParallelState) -> nn.Module:
-    """Keep this stage's layers (names unchanged); the first stage keeps the embedding, the last the final norm
+    """Keep this stage's layers (``ParallelState.stage_sizes``; names unchanged); the first stage keeps the embedding, the last the final norm
     and LM head. With tied embeddings the last stage gets its own ``lm_head`` copy of the embedding, kept equal
     to it by summing their gradients (``finalize_grads``)."""
     first, last = state.pp_rank == 0, state.pp_rank == state.pp - 1
-    keep = {str(i) for i in stage_layers(len(model.layers), state.pp, state.pp_rank)}
+    keep = {str(i) for i in stage_layers(state.stage_sizes(model.spec), state.pp_rank)}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
     if last and model.lm_head is None:
