@@ -18,7 +18,8 @@ random-weight model of Qwen3-8B's shape (``redline.loop.builtin``; fp32 master w
 * acceptance (the whole 8B model, ``--steps`` RL steps, SGLang colocated with ``--rollout-num-gpus-per-engine``):
   ``tp2-sp-sglang2`` TP=2 + SP trainer with one TP=2 SGLang engine on 2 GPUs; with 4 GPUs also ``tp4-sp-sglang4``
   (TP=4 + SP, one TP=4 engine) and ``pp2-tp2-sp-sglang4`` (PP=2 x TP=2, one engine over the group's 4 GPUs);
-  SP with the bf16 backend on NCCL runs async TP (``tp_overlap="auto"``);
+  SP runs NCCL collectives around the GEMMs (``--tp-comm-overlap`` off, the loop's default; add it to ``--extra``
+  for async TP);
 * scaling (the same model sliced to ``--slice-layers`` layers so that TP=1 fits one GPU, same batch):
   ``slice-tp1`` on 1 GPU, ``slice-tp2-sp`` on 2, ``slice-pp2`` on 2, with 4 GPUs ``slice-tp4-sp``;
   ``scaling_efficiency = t_train(slice-tp1) / (gpus x t_train(run))`` on the median ``perf/train_time`` of the

@@ -224,11 +224,13 @@ SINGLE_PROCESS = DataParallel()
 
 
 def init_data_parallel(timeout_minutes: float, tp: int = 1, pp: int = 1, sp: bool = False, *,
-                       first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> DataParallel:
+                       first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                       tp_overlap: str = "auto") -> DataParallel:
     """From ``torchrun``'s environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``): NCCL with one GPU per rank
     (``cuda:LOCAL_RANK``, made current), gloo on a CPU machine; a single process when ``WORLD_SIZE`` is unset/1.
     ``tp``/``pp``/``sp``: the model parallelism (``--tensor-model-parallel-size`` ...; ``first/last_stage_layers``:
-    ``--decoder-first/last-pipeline-num-layers``); the data-parallel size is
+    ``--decoder-first/last-pipeline-num-layers``; ``tp_overlap``: ``ParallelConfig.tp_overlap``, from
+    ``--tp-comm-overlap``); the data-parallel size is
     what remains of the world (``validate.check_world_size`` refuses a world that does not split)."""
     from redline.loop.validate import check_world_size
 
@@ -251,8 +253,8 @@ def init_data_parallel(timeout_minutes: float, tp: int = 1, pp: int = 1, sp: boo
                             timeout=timedelta(minutes=timeout_minutes), device_id=device if device.type == "cuda"
                             else None)
     dp = world // (tp * pp)
-    state = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, first_stage_layers=first_stage_layers,
-                           last_stage_layers=last_stage_layers).build(device.type)
+    state = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, tp_overlap=tp_overlap if sp else "auto",
+                           first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers).build(device.type)
     mp_group = model_parallel_group(state) if tp * pp > 1 else None
     return DataParallel(rank=state.dp_rank, world=dp, state=state, device=device, mp_group=mp_group)
 

@@ -240,7 +240,8 @@ def run(config, config_path=None) -> int:
     dp = init_data_parallel(p.distributed_timeout_minutes, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size, p.sequence_parallel,
                             first_stage_layers=p.decoder_first_pipeline_num_layers,
-                            last_stage_layers=p.decoder_last_pipeline_num_layers)
+                            last_stage_layers=p.decoder_last_pipeline_num_layers,
+                            tp_overlap="auto" if p.tp_comm_overlap else "off")
     console = Console(quiet=not dp.is_main)
     try:
         with deterministic_algorithms():  # same seed, same result on a CPU machine (loop/determinism.py)

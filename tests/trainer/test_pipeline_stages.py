@@ -13,11 +13,18 @@ def qwen3_8b() -> ModelSpec:
                      qk_norm=True, tie_word_embeddings=False)
 
 
-def test_head_cost_is_half_the_gemm_flop_ratio():
+def test_head_cost_is_the_gemm_flop_ratio():
     spec = qwen3_8b()
     layer_gemm = 4096 * (2 * 4096 + 2 * 1024) + 3 * 4096 * 12288  # q, o, k, v; gate, up, down
-    assert head_cost_layers(spec) == pytest.approx(0.5 * 151936 * 4096 / layer_gemm)
-    assert 1.5 < head_cost_layers(spec) < 1.7
+    assert head_cost_layers(spec) == pytest.approx(151936 * 4096 / layer_gemm)
+    assert 3.1 < head_cost_layers(spec) < 3.3
+
+
+def test_qwen3_8b_splits_give_the_head_stage_fewer_layers():
+    head = head_cost_layers(qwen3_8b())
+    assert stage_sizes(8, 2, head_layers=head) == [6, 2]  # the 8-layer slice of issue 17's scaling runs
+    assert stage_sizes(36, 2, head_layers=head) == [20, 16]
+    assert stage_sizes(36, 4, head_layers=head) == [10, 10, 10, 6]
 
 
 @pytest.mark.parametrize("layers, pp, head, expected", [

@@ -2,18 +2,14 @@
 
 from collections.abc import Sequence
 
-# The LM head's forward + backward in decoder layers is its GEMM FLOPs over a layer's times this share: a layer's
-# attention, norms and activations cost about as much again as its GEMMs suggest, the head is one large GEMM. On
-# 2x H200 (Qwen3-8B's shape, 8 layers split 4/4) a 1F1B model fitted the measured PP=2 times with the head at
-# ~1.7 layers, where GEMM FLOPs alone say 3.2 (benchmarks/results/loop/parallel-h200x2/README.md).
-HEAD_GEMM_SHARE = 0.5
-
-
 def head_cost_layers(spec) -> float:
-    """The LM head's cost in decoder layers of ``spec`` (a ``ModelSpec``), for balancing pipeline stages."""
+    """The LM head's forward + backward cost in decoder layers of ``spec`` (a ``ModelSpec``), for balancing pipeline
+    stages: its GEMM FLOPs over a layer's (q, k, v, o and the three MLP projections). Profiled on 2x H200 (Qwen3-8B's
+    shape, 8 layers split 5 + 3, PP=2) the head cost ~3.7 layers where this says 3.2: a layer's attention and
+    elementwise work and the head's loss epilogue roughly cancel."""
     h = spec.hidden_size
     layer = h * (2 * spec.q_dim + 2 * spec.kv_dim) + 3 * h * spec.intermediate_size
-    return HEAD_GEMM_SHARE * spec.vocab_size * h / layer
+    return spec.vocab_size * h / layer
 
 
 def stage_sizes(num_layers: int, pp: int, *, first: int | None = None, last: int | None = None,
