@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16's colocated-SGLang acceptance on one H100, from the loop's own metrics (offload_train_acceptance.py):
 #
-#   bash benchmarks/sglang_colocated_acceptance.sh OUTDIR [part]     # part: 1.7b | 4b-no-offload | 4b | all
+#   bash benchmarks/sglang_colocated_acceptance.sh OUTDIR [part]     # part: 1.7b | 4b-no-offload | 4b |
+#                                                                    #       4b-keep-weights | all
 #
 # 1.7b          Qwen3-1.7B shape, SGLang colocated (examples/qwen3_1p7b_breakdown.toml, 16 prompts x 8 x 128 tokens),
 #               the default --offload-train plan, 8 steps: perf/update_weights_time against SGLang's own handling
@@ -12,15 +13,18 @@
 #               share 0.45: what fits beside the resident trainer);
 # 4b            the same with --offload-train (the default plan; SGLang at its default share beside a paused
 #               trainer, 0.7), 10 steps: per-phase times, the KV cache, the transition against the sync
-#               alone (target <= 2x).
+#               alone (target <= 2x);
+# 4b-keep-weights the same with --offload-rollout-level kv_cache: SGLang keeps its weights on the GPU while the
+#               trainer works, so the push skips their release and resume.
 # Each part adds its runs to OUTDIR/summary.md and summary.json. Needs SGLang 0.5.17 and redline's native library
 # (the script builds it). The 4B run takes ~20 min on an H100: run it detached where a command is time-limited.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${1:?usage: bash benchmarks/sglang_colocated_acceptance.sh OUTDIR [1.7b|4b-no-offload|4b|all]}
 PART=${2:-all}
-case $PART in 1.7b|4b-no-offload|4b|all) ;;
-  *) echo "sglang_colocated_acceptance.sh: part '$PART' is not one of 1.7b, 4b-no-offload, 4b, all" >&2; exit 2 ;;
+case $PART in 1.7b|4b-no-offload|4b|4b-keep-weights|all) ;;
+  *) echo "sglang_colocated_acceptance.sh: part '$PART' is not one of 1.7b, 4b-no-offload, 4b, 4b-keep-weights," \
+       "all" >&2; exit 2 ;;
 esac
 ACCEPT=(python3 "$ROOT/benchmarks/offload_train_acceptance.py" "$OUT" --config "$ROOT/examples/qwen3_1p7b_breakdown.toml"
         --models "$OUT/models" --run-timeout 1800)
@@ -35,4 +39,8 @@ case $PART in 4b-no-offload|all)
 esac
 case $PART in 4b|all)
   "${ACCEPT[@]}" --shapes qwen3-4b --steps 10 --modes offload-train-auto --tag=-sglang-e2e --extra "$WORKLOAD_4B" ;;
+esac
+case $PART in 4b-keep-weights|all)
+  "${ACCEPT[@]}" --shapes qwen3-4b --steps 10 --modes offload-train-auto --tag=-sglang-e2e-keep-weights \
+    --extra "$WORKLOAD_4B --offload-rollout-level kv_cache" ;;
 esac

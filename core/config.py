@@ -213,6 +213,10 @@ class SyncConfig:
                                             "layer's tensors never split)")
     offload_rollout: bool = option(False, "colocated: the engine releases its weights and KV cache after each "
                                    "rollout and takes them back around the weight sync")
+    offload_rollout_level: list[str] = option(
+        ["kv_cache", "weight"], "with --offload-rollout: what the engine releases after each rollout, kv_cache "
+        "and/or weight (slime's values; default both); kv_cache alone keeps the engine's weights on the GPU while "
+        "the trainer works, so the push loads into them without resuming their memory first")
     check_weights: bool = option(False, "check every row of every weight-sync bucket on every push (default: "
                                  "every 16th row); with SGLang servers (--no-colocate) it also turns on "
                                  "--check-sglang-weights")

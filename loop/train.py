@@ -65,7 +65,7 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
     from redline.loop.rollout_setup import build_rollout, engine_devices, resolve_engine, trainer_device
     from redline.loop.train_offload import device_memory, engine_memory, offload_train_enabled, train_offload
     from redline.loop.parallel_sync import ModelParallelBroadcastSync, ModelParallelWeightSync
-    from redline.loop.weight_sync import BroadcastWeightSync, WeightSync
+    from redline.loop.weight_sync import BroadcastWeightSync, WeightSync, offload_tags
     from redline.trainer.models import from_pretrained
     from redline.trainer.parallel.recompute import apply_recompute
 
@@ -128,13 +128,15 @@ def build(config, console: Console, *, log_dir: Path = Path("logs"), dp: DataPar
         weight_sync = ModelParallelWeightSync(
             model, engine, dp, seat=rollout.engine_seat, bucket_bytes=config.sync.update_weight_buffer_size,
             offload=config.sync.offload_rollout, device=device, check_weights=config.sync.check_weights,
-            train_offload=train_offload(device) if train_cfg.offload_train else None)
+            train_offload=train_offload(device) if train_cfg.offload_train else None,
+            offload_tags=offload_tags(config.sync.offload_rollout_level))
     elif config.parallel.colocate:  # a watched engine (--use-fault-tolerance) gets a new WeightSync at each restart
         weight_sync = engine_sync(engine, lambda engine: WeightSync(
             model, engine, bucket_bytes=config.sync.update_weight_buffer_size, offload=config.sync.offload_rollout,
             device=device, check_weights=config.sync.check_weights, seat=rollout.engine_seat,
             train_offload=train_offload(device) if train_cfg.offload_train else None,
-            share_weights=config.rollout.async_rollout == "off"))  # async: the engine generates while we train
+            share_weights=config.rollout.async_rollout == "off",  # async: the engine generates while we train
+            offload_tags=offload_tags(config.sync.offload_rollout_level)))
     else:  # under TP/PP the group's leader broadcasts its gathered stream, the other ranks gather with it
         engines = [] if engine is None else getattr(engine, "engines", [engine])
         broadcast = {"bucket_bytes": config.sync.update_weight_buffer_size, "device": device,

@@ -471,6 +471,20 @@ def check_offload_train(config) -> None:
         raise ConfigError(f"--offload-train{default}: {exc}") from None
 
 
+def check_offload_level(config) -> None:
+    """``--offload-rollout-level``: one or both of slime's values, and only with ``--offload-rollout``."""
+    from redline.loop.weight_sync import OFFLOAD_LEVELS
+
+    level, default = config.sync.offload_rollout_level, ["kv_cache", "weight"]
+    unknown = [value for value in level if value not in OFFLOAD_LEVELS]
+    if unknown or not level:
+        raise ConfigError(f"--offload-rollout-level {' '.join(level) or '(empty)'}: give one or both of "
+                          f"{', '.join(OFFLOAD_LEVELS)}" + (f" ({', '.join(unknown)} is not one)" if unknown else ""))
+    if sorted(level) != sorted(default) and not config.sync.offload_rollout:
+        raise ConfigError(f"--offload-rollout-level {' '.join(level)} says what --offload-rollout releases: add "
+                          "--offload-rollout, or drop the level")
+
+
 def check_sync_switches() -> None:
     """The weight sync's environment switches (``REDLINE_SYNC_SHARE``, ``REDLINE_SYNC_ZERO_COPY``), before an engine
     starts."""
@@ -535,6 +549,7 @@ def validate(config, world_size: int = 1) -> None:
     if config.sync.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
     check_sync_switches()
+    check_offload_level(config)
     check_profile(config)
     try:
         loss_config(config)

@@ -12,7 +12,9 @@ default and every row with ``--check-weights``; a mismatch raises, naming the bu
 
 With ``--offload-rollout`` the engine gives its memory back after each rollout and the push follows the
 colocated sequence of ``redline.rollout.engine``: ``resume_memory({"weights"})`` → ``update_weights`` →
-``resume_memory({"kv_cache"})``, so the new weights land before the KV cache competes for memory.
+``resume_memory({"kv_cache"})``, so the new weights land before the KV cache competes for memory. What it gives
+back is ``--offload-rollout-level`` (``offload_tags``): with ``kv_cache`` alone its weights stay and the push loads
+into them directly.
 
 With ``--offload-train`` (``redline.loop.train_offload``) the trainer's state is paused around it: gradients,
 master weights and moments before the engine resumes its weights, the compute weights once the push (and its
@@ -39,6 +41,7 @@ from datetime import timedelta
 import torch
 from redline.devices import device_scope
 from redline.loop.train_offload import device_memory, make_room
+from redline.rollout.engine import MEMORY_TAGS
 from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 from redline.sync.protocol import SyncError
@@ -138,8 +141,9 @@ class WeightSync:
 
     def __init__(self, model, engine, *, bucket_bytes: int, offload: bool, device: torch.device | str = "cpu",
                  check_weights: bool = False, zero_copy: bool | None = None, seat=None, train_offload=None,
-                 share_weights: bool = False):
+                 share_weights: bool = False, offload_tags: frozenset[str] = MEMORY_TAGS):
         self.model, self.engine, self.offload, self.seat = model, engine, offload, seat
+        self.offload_tags = offload_tags  # what --offload-rollout releases (--offload-rollout-level)
         self.train = train_offload  # redline.loop.train_offload.TrainOffload (--offload-train) or None
         if train_offload is not None:
             zero_copy = share_weights = False  # pausable memory cannot be exported over CUDA IPC
@@ -177,14 +181,14 @@ class WeightSync:
                 engine.checksum_row_stride = self.row_stride
 
     async def release(self) -> None:
-        """After a rollout: with ``--offload-rollout``, free the engine's weights and KV cache for training
-        (``perf/release_time``)."""
+        """After a rollout: with ``--offload-rollout``, free the engine's ``offload_tags`` (weights, KV cache) for
+        training (``perf/release_time``)."""
         self.timings = {}
         if self.offload and self.seat is not None:  # the engine is idle only once every rank of the seat is
             await asyncio.to_thread(_barrier, self.seat.group)
         if self.offload and not self.released and self.controls_engine:
             free_before = device_memory(self.device)[0]
-            await self._timed("perf/release_time", self.engine.release_memory({"weights", "kv_cache"}))
+            await self._timed("perf/release_time", self.engine.release_memory(set(self.offload_tags)))
             # what the engine gave back to the driver, and takes again on resume (an in-process engine returns its
             # memory to the shared caching allocator instead: 0 here)
             self.engine_bytes = device_memory(self.device)[0] - free_before
@@ -218,7 +222,7 @@ class WeightSync:
             if self.device.type == "cuda":
                 self.timings["perf/trainer_paused_bytes"] = torch.cuda.memory_reserved(self.device)
         weights_bytes = 0  # what the engine's weights took back: the rest of engine_bytes is its KV cache
-        if self.released:
+        if self.released and "weights" in self.offload_tags:
             free_before = device_memory(self.device)[0]
             await self._timed("perf/resume_weights_time", self.engine.resume_memory({"weights"}))
             weights_bytes = free_before - device_memory(self.device)[0]
@@ -240,7 +244,8 @@ class WeightSync:
                 make_room(self.device, self.engine_bytes - weights_bytes + CACHE_HEADROOM)
                 # free memory as the KV cache comes back: what a cache sized by it gets
                 self.timings["perf/kv_headroom_bytes"] = device_memory(self.device)[0]
-            await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
+            if "kv_cache" in self.offload_tags:
+                await self._timed("perf/resume_kv_time", self.engine.resume_memory({"kv_cache"}))
             self.released = False
         if handled is not None:
             self.timings["perf/update_weights_sglang_time"] = self.engine.handling_seconds - handled
@@ -382,8 +387,21 @@ class WeightSync:
             plan = self.train.plan or self.train.make_plan()  # the pause's own plan while paused
             train = (f" · offload train: {plan.device_bytes / 2**30:.2f} GiB released while the engine generates, "
                      f"{plan.host_bytes / 2**30:.2f} GiB of it kept in pinned host memory")
-        return (f"weight sync: {self.mode}, {describe_plan(self.plan)}{' · offload rollout' if self.offload else ''}"
-                f" · {check}{train}")
+        offload = ""
+        if self.offload:
+            kept = {"weights": "its weights", "kv_cache": "its KV cache"}
+            offload = " · offload rollout" + "".join(f" (the engine keeps {kept[t]})" for t in
+                                                     sorted(MEMORY_TAGS - self.offload_tags))
+        return f"weight sync: {self.mode}, {describe_plan(self.plan)}{offload} · {check}{train}"
+
+
+OFFLOAD_LEVELS = {"kv_cache": "kv_cache", "weight": "weights"}  # --offload-rollout-level value -> memory tag
+
+
+def offload_tags(level: list[str]) -> frozenset[str]:
+    """The engine memory tags ``--offload-rollout-level`` releases (``validate.check_offload_level`` has checked
+    its values)."""
+    return frozenset(OFFLOAD_LEVELS[value] for value in level)
 
 
 class BroadcastWeightSync:

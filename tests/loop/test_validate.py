@@ -240,6 +240,16 @@ def test_pp_needs_a_layer_per_stage(even_vocab_model, data_file):
         validate(config_with(even_vocab_model, data_file, pipeline_model_parallel_size="3"), world_size=3)
 
 
+def test_offload_rollout_level_takes_slimes_values_with_offload_rollout(model_dir, data_file):
+    with pytest.raises(ConfigError, match=r"--offload-rollout-level kv_cache weights: give one or both of kv_cache, "
+                                          r"weight \(weights is not one\)"):
+        validate(config_with(model_dir, data_file, offload_rollout="true", offload_rollout_level="kv_cache,weights"))
+    with pytest.raises(ConfigError, match=r"--offload-rollout-level kv_cache says what --offload-rollout releases"):
+        validate(config_with(model_dir, data_file, offload_rollout_level="kv_cache"))
+    validate(config_with(model_dir, data_file, offload_rollout="true", offload_rollout_level="kv_cache"))
+    validate(config_with(model_dir, data_file, offload_rollout_level="weight,kv_cache"))  # the default, reordered
+
+
 def test_pipeline_stage_layer_counts_are_checked_at_start_up(even_vocab_model, data_file):
     with pytest.raises(ConfigError, match=r"--decoder-last-pipeline-num-layers 1 places layers on pipeline stages: it "
                                           r"needs --pipeline-model-parallel-size > 1 \(got 1\)"):

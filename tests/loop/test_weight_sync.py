@@ -92,6 +92,24 @@ def test_offload_releases_after_rollout_and_resumes_around_the_sync(tmp_path, mo
     assert metrics[1]["perf/offload_rollout_time"] > 0
 
 
+@pytest.mark.parametrize("level, released", [("kv_cache", {"kv_cache"}), ("weight", {"weights"})])
+def test_offload_rollout_level_releases_and_resumes_only_what_it_names(tmp_path, monkeypatch, level, released):
+    _, engine, metrics = recorded_run(tmp_path, monkeypatch, steps=2, offload_rollout="true",
+                                      offload_rollout_level=level)
+    one_step = [("generate",), ("release_memory", frozenset(released))]
+    if "weights" in released:
+        one_step.append(("resume_memory", frozenset({"weights"})))
+    one_step.append("update_weights")
+    if "kv_cache" in released:
+        one_step.append(("resume_memory", frozenset({"kv_cache"})))
+    calls = [c[0] if c[0] == "update_weights" else c for c in engine.calls]
+    assert calls == one_step * 2
+    # kept or released, the weights the second rollout sampled with are the trainer's
+    assert metrics[1]["train/rollout_logprob_abs_diff"] < 1e-4
+    assert ("perf/resume_weights_time" in metrics[1]) == ("weights" in released)
+    assert ("perf/resume_kv_time" in metrics[1]) == ("kv_cache" in released)
+
+
 def test_phase_times_and_idle_add_up_to_the_step(tmp_path, monkeypatch):
     walls = []
     _, _, [m] = recorded_run(tmp_path, monkeypatch, steps=1, walls=walls, offload_rollout="true")
