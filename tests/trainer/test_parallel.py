@@ -81,6 +81,10 @@ def tp_worker(rank, config, sequence_parallel, tp_overlap="off"):
     model = from_config(config, dtype=torch.float32, device=device(), seed=0,
                         parallel=ParallelConfig(tp=2, sp=sequence_parallel, tp_overlap=tp_overlap))
     assert {m.async_tp for m in tp_linears(model)} == {tp_overlap == "symm_mem"}
+    columns = [m for layer in model.layers.values() for m in (layer.self_attn.qkv, layer.mlp.gate_up)]
+    # under SP the column GEMMs gather their tokens themselves (gather_tokens_linear: dx's reduce-scatter beside
+    # dW's GEMM in backward, or async TP's fused op)
+    assert {m.matmul_gathers for m in columns} == {sequence_parallel}
     input_ids, cu_seqlens = batch(config)
     expected = next_token_loss(reference.logits(input_ids, cu_seqlens), input_ids)
     expected.backward()

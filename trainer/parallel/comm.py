@@ -12,10 +12,15 @@ function                 forward                     backward
 
 ``gather_tokens`` feeds a consumer that yields *partial* gradients (a column-parallel GEMM);
 ``gather_replicated`` one whose gradient is already complete on every rank (e.g. after ``copy_to_tp``).
+
+``gather_tokens_linear`` is ``gather_tokens`` followed by ``F.linear`` in one function, so that its backward
+overlaps the input gradient's reduce-scatter with the weight gradient's GEMM (Megatron's sequence-parallel
+column linear).
 """
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn there); torch 2.11 has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -89,6 +94,30 @@ class _ReduceScatterTokens(torch.autograd.Function):
         return _all_gather(grad, ctx.group, 0), None
 
 
+class _GatherTokensLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        gathered = _all_gather(x, group, 0)
+        ctx.save_for_backward(gathered, weight)
+        ctx.group = group
+        return F.linear(gathered, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gathered, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx_full = dy @ weight
+        size = dist.get_world_size(ctx.group)
+        if dx_full.shape[0] % size:
+            raise ValueError(f"sequence parallelism needs the token count ({dx_full.shape[0]}) divisible by "
+                             f"tp={size}")
+        dx = torch.empty((dx_full.shape[0] // size, *dx_full.shape[1:]), dtype=dx_full.dtype, device=dx_full.device)
+        pending = _reduce_scatter_single(dx, dx_full, group=ctx.group, async_op=True)
+        dw = dy.t() @ gathered if ctx.needs_input_grad[1] else None  # while the reduce-scatter runs
+        pending.wait()
+        return dx, dw, None
+
+
 class _GatherReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -115,6 +144,12 @@ def gather_tokens(x, group):
 
 def reduce_scatter_tokens(x, group):
     return _ReduceScatterTokens.apply(x, group)
+
+
+def gather_tokens_linear(x, weight, group):
+    """``F.linear(gather_tokens(x), weight)``: ``x [T/tp, in]``, ``weight [out/tp, in]`` -> ``[T, out/tp]``; the
+    backward's reduce-scatter of ``dx`` runs beside the GEMM of ``dW``."""
+    return _GatherTokensLinear.apply(x, weight, group)
 
 
 def gather_replicated(x, group, dim):

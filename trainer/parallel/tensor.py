@@ -8,7 +8,9 @@ into the parallel subclass of its own class (``_become``). Layout (Megatron's):
   normalised tokens are all-gathered before the GEMM.
 * o_proj and down: row parallel; output all-reduced, or reduce-scattered over tokens with SP; bias after.
 * Async TP (``tp_overlap``, bf16 backend under SP): the column-parallel gather and the row-parallel
-  reduce-scatter run inside the layer's ``matmul``, micro-pipelined with the GEMM (``async_tp``).
+  reduce-scatter run inside the layer's ``matmul``, micro-pipelined with the GEMM (``async_tp``). Without it the
+  bf16 backend's column-parallel ``matmul`` under SP is ``comm.gather_tokens_linear``: the gather first, and in
+  backward the input gradient's reduce-scatter beside the weight gradient's GEMM.
 * Embedding and LM head: vocab parallel (the LM head is the embedding when tied, so both shard the same way).
 * Replicated parameters that see only part of the data get partial gradients (``tp_partial_grad``):
   per-head q/k norms always, and with SP the norms and the row-parallel biases. ``finalize_grads`` sums them.
@@ -27,8 +29,8 @@ from torch import nn
 from redline.trainer.layers.torch_layers import Linear, NormLinear, RMSNorm
 from redline.trainer.models.export import optional_param
 from redline.trainer.parallel.async_tp import all_gather_linear, linear_reduce_scatter, use_symm_mem
-from redline.trainer.parallel.comm import (copy_to_tp, gather_replicated, gather_tokens, reduce_from_tp,
-                                           reduce_scatter_tokens)
+from redline.trainer.parallel.comm import (copy_to_tp, gather_replicated, gather_tokens, gather_tokens_linear,
+                                           reduce_from_tp, reduce_scatter_tokens)
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,12 @@ def _mark_partial(param: nn.Parameter | None) -> None:
 
 
 class ColumnParallelNormLinear(NormLinear):
-    """Under ``async_tp`` the ``matmul`` is ``all_gather_linear``: it gathers the tokens itself."""
+    """With ``matmul_gathers`` the ``matmul`` gathers the tokens itself (``all_gather_linear`` under async TP,
+    ``gather_tokens_linear`` otherwise on the bf16 backend under SP)."""
 
     def forward(self, x):
         x = self.normalize(x)
-        if not self.async_tp:
+        if not self.matmul_gathers:
             x = gather_tokens(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
         return self.project(x)
 
@@ -203,10 +206,12 @@ def apply_tensor_parallel(model: nn.Module, group, sequence_parallel: bool, tp_o
             column.weight = _shard(column.weight, 0, group, column.out_parts)
             if column.bias is not None:
                 column.bias = _shard(column.bias, 0, group, column.out_parts)
+            gathers = async_tp or (sequence_parallel and column.matmul is F.linear)
             _become(column, ColumnParallelNormLinear, out_parts=tuple(p // tp for p in column.out_parts),
-                    async_tp=async_tp, **common)
-            if async_tp:
-                column.matmul = functools.partial(all_gather_linear, group=group)
+                    async_tp=async_tp, matmul_gathers=gathers, **common)
+            if gathers:
+                column.matmul = functools.partial(all_gather_linear if async_tp else gather_tokens_linear,
+                                                  group=group)
             if sequence_parallel:
                 _mark_partial(column.norm_weight)
         for row in (layer.self_attn.o_proj, layer.mlp.down):
