@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from redline.rollout.types import Sample
+from redline.trainer.models.seq_bounds import remember
 
 
 @dataclass
@@ -30,8 +31,13 @@ class MicroBatch:
         return int(self.input_ids.numel())
 
     def to(self, device) -> "MicroBatch":
+        """The batch on ``device``; a host ``cu_seqlens``'s values are recorded for the moved one
+        (``seq_bounds.remember``), so attention never reads them back from the device."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return MicroBatch(move(self.input_ids), move(self.targets), move(self.cu_seqlens), move(self.loss_mask),
+        cu_seqlens = move(self.cu_seqlens)
+        if not self.cu_seqlens.is_cuda:
+            remember(cu_seqlens, self.cu_seqlens.tolist())
+        return MicroBatch(move(self.input_ids), move(self.targets), cu_seqlens, move(self.loss_mask),
                           self.sample_ids, {k: move(v) for k, v in self.token_values.items()})
 
     def response_values(self, values: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from redline.trainer.models.seq_bounds import host_bounds, remember
 from redline.trainer.padding import token_multiple
 
 
@@ -49,8 +50,10 @@ def padded_stream(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     pad = -batch.input_ids.shape[0] % token_multiple(model)
     if pad == 0:
         return batch.input_ids, batch.cu_seqlens
+    bounds = list(host_bounds(batch.cu_seqlens))  # recorded when the batch moved to the device: no read
     cu_seqlens = batch.cu_seqlens.clone()
     cu_seqlens[-1] += pad
+    remember(cu_seqlens, bounds[:-1] + [bounds[-1] + pad])
     return torch.cat([batch.input_ids, batch.input_ids.new_zeros(pad)]), cu_seqlens
 
 

@@ -28,6 +28,7 @@ import torch
 from redline.extras import require
 from redline.trainer.layers import LayerBackend
 from redline.trainer.layers.te_env import prepare_te_libraries
+from redline.trainer.models.seq_bounds import max_length
 
 logger = logging.getLogger("redline.trainer.te")
 
@@ -78,7 +79,7 @@ def _modules():
 
         def forward(self, q, k, v, cu_seqlens, max_seqlen=None):
             if max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+                max_seqlen = max_length(cu_seqlens)
             return super().forward(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                    max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from redline.extras import available, import_error, require
+from redline.trainer.models.seq_bounds import host_bounds, max_length
 
 # Up to this many packed tokens one SDPA call with a block-diagonal causal mask ([T, T] bool) is cheaper than
 # one call per sequence length; above it the mask's T^2 memory and wasted FLOPs win over the launches.
@@ -79,7 +80,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if flash_attention_usable(q):
         flash = require("flash_attn.cute", "flash-attn-4 varlen attention")
         if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            max_seqlen = max_length(cu_seqlens)
         out = flash.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                                            softmax_scale=scale, causal=True)
@@ -92,7 +93,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         mask = block_causal_mask(cu_seqlens, num_tokens)
         out = _sdpa(*(_batched(t) for t in (q, k, v)), attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1)
-    return _sdpa_per_length(q, k, v, cu_seqlens.tolist(), scale)
+    return _sdpa_per_length(q, k, v, host_bounds(cu_seqlens), scale)
 
 
 def _sdpa_per_length(q, k, v, bounds: list[int], scale: float) -> torch.Tensor:
