@@ -83,7 +83,9 @@ class TrainerWorker:
             loss, metrics = policy_loss(logp, logp.detach(), values["advantages"], batch.loss_mask, cfg=loss_cfg,
                                         entropy=entropy, **optional)
             diff = (logp.detach() - values["rollout_logp"]).abs()
-            metrics["rollout_logprob_abs_diff"] = diff[batch.loss_mask].sum() / batch.loss_mask.sum().clamp(min=1)
+            mask = batch.loss_mask
+            # masked_fill, not diff[mask]: boolean indexing would wait for the GPU to learn the selection's size
+            metrics["rollout_logprob_abs_diff"] = diff.masked_fill(~mask, 0).sum() / mask.sum().clamp(min=1)
             return loss, metrics
         return fused_linear_policy_loss(hidden, weight, batch.targets, values["old_logp"], values["advantages"],
                                         batch.loss_mask, cfg=loss_cfg, temperature=self.temperature, tp_group=group,
