@@ -350,6 +350,9 @@ def check_model_parallel(config, world_size: int) -> None:
     if p.sequence_parallel and tp == 1:
         raise ConfigError("--sequence-parallel splits tokens over the tensor-parallel group: it needs "
                           "--tensor-model-parallel-size > 1 (got 1)")
+    if p.tp_comm_overlap and not p.sequence_parallel:
+        raise ConfigError("--tp-comm-overlap overlaps sequence parallelism's collectives with the GEMMs: it needs "
+                          "--sequence-parallel")
     for flag, value in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
                         ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
         if value is not None and pp == 1:

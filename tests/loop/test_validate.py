@@ -267,6 +267,11 @@ def test_pipeline_stage_layer_counts_are_checked_at_start_up(even_vocab_model, d
 def test_sequence_parallel_needs_tp(even_vocab_model, data_file):
     with pytest.raises(ConfigError, match=r"--sequence-parallel .* needs --tensor-model-parallel-size > 1 \(got 1\)"):
         validate(config_with(even_vocab_model, data_file, sequence_parallel="true"), world_size=2)
+    with pytest.raises(ConfigError, match=r"--tp-comm-overlap overlaps .* it needs --sequence-parallel"):
+        validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", tp_comm_overlap="true"),
+                 world_size=2)
+    validate(config_with(even_vocab_model, data_file, tensor_model_parallel_size="2", sequence_parallel="true",
+                         tp_comm_overlap="true"), world_size=2)
 
 
 def test_batch_sizes_split_over_the_data_parallel_ranks_only(even_vocab_model, data_file):
