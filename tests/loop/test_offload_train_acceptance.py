@@ -86,5 +86,5 @@ def test_an_unknown_mode_is_refused_naming_the_choices(tmp_path):
 def test_the_sglang_acceptance_script_refuses_an_unknown_part_naming_the_parts(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "sglang_colocated_acceptance.sh"), str(tmp_path), "8b"],
                           capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 2 and "part '8b' is not one of 1.7b, 4b-no-offload, 4b, all" in done.stderr
+    assert done.returncode == 2 and "part '8b' is not one of 1.7b, 4b-no-offload, 4b, 4b-keep-weights, all" in done.stderr
     assert not any(tmp_path.iterdir())  # nothing started

@@ -11,7 +11,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from redline.loop.data_parallel import DataParallel, model_parallel_group
 from redline.loop.engine_placement import colocated_seat
 from redline.loop.model_parallel import lm_head_leader
+from redline.trainer.models.spec import ModelSpec
 from redline.trainer.parallel import ParallelConfig
+from redline.trainer.parallel.stages import head_cost_layers, stage_sizes
 
 
 def ranks_of(group) -> list[int]:
@@ -115,14 +117,18 @@ def test_checkpoint_of_the_older_rank_order_is_refused(tmp_path):
 
 
 class _GatheredModel:
+    spec = ModelSpec(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=5, num_heads=4,
+                     num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False, mlp_bias=False,
+                     qk_norm=True, tie_word_embeddings=True)
+
     def save_pretrained(self, folder, write):
         if write:
             folder.mkdir(parents=True)
 
 
 def test_checkpoint_saved_at_dp_times_pp_records_its_rank_order(tmp_path):
-    """Rank 0 of DP=2 × PP=2 (fake process group: the barriers pass at once) writes ``rank_order`` beside the
-    layout, and ``check_load`` takes the folder back at that layout."""
+    """Rank 0 of DP=2 × PP=2 (fake process group: the barriers pass at once) writes ``rank_order`` and the stages'
+    layers beside the layout, and ``check_load`` takes the folder back at that layout."""
     from redline.loop import checkpoint
     from redline.loop.validate import check_load
 
@@ -134,4 +140,6 @@ def test_checkpoint_saved_at_dp_times_pp_records_its_rank_order(tmp_path):
     finally:
         dist.destroy_process_group()
     assert checkpoint.saved_rank_order(folder) == "dp,pp,tp" == checkpoint.RANK_ORDER
-    check_load(tmp_path, {"dp": 2, "tp": 1, "pp": 2})
+    stages = stage_sizes(5, 2, head_layers=head_cost_layers(_GatheredModel.spec))
+    assert checkpoint.saved_layout(folder) == {"dp": 2, "tp": 1, "pp": 2, "stages": stages}
+    check_load(tmp_path, {"dp": 2, "tp": 1, "pp": 2, "stages": stages})
