@@ -154,7 +154,8 @@ def main() -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "summary.md").write_text(
         f"# Ray's overhead on the RL step ({args.config})\n\nMedians over the steps after "
-        f"step {SKIPPED_STEPS}, then over {args.repeats} repeat(s) of each run. torch threads without Ray: {threads}; under Ray (rank 0: threads, niceness): "
+        f"step {SKIPPED_STEPS}, then over {args.repeats} repeat(s) of each run. torch threads without Ray: "
+        f"{threads}; under Ray (rank 0: threads, niceness): "
         + (", ".join(f"{n} {r.get('torch_threads')}, {r.get('niceness')}" for n, r in ranks.items()) or "–")
         + "\n\n" + "\n".join(rows) + "\n\n" + phase_table(results) + "\n")
     print((args.out / "summary.md").read_text())

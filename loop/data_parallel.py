@@ -253,8 +253,8 @@ def init_data_parallel(timeout_minutes: float, tp: int = 1, pp: int = 1, sp: boo
                             timeout=timedelta(minutes=timeout_minutes), device_id=device if device.type == "cuda"
                             else None)
     dp = world // (tp * pp)
-    state = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, tp_overlap=tp_overlap if sp else "auto",
-                           first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers).build(device.type)
+    state = ParallelConfig(tp=tp, pp=pp, dp=dp, sp=sp, tp_overlap=tp_overlap, first_stage_layers=first_stage_layers,
+                           last_stage_layers=last_stage_layers).build(device.type)
     mp_group = model_parallel_group(state) if tp * pp > 1 else None
     return DataParallel(rank=state.dp_rank, world=dp, state=state, device=device, mp_group=mp_group)
 

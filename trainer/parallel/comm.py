@@ -38,12 +38,18 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+def _start_reduce_scatter(x: torch.Tensor, group) -> tuple[torch.Tensor, dist.Work]:
+    """The reduce-scatter of ``x`` over dim 0, launched: ``(out, work)``, ``out`` valid after ``work.wait()``."""
     size = dist.get_world_size(group)
     if x.shape[0] % size:
         raise ValueError(f"sequence parallelism needs the token count ({x.shape[0]}) divisible by tp={size}")
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out, _reduce_scatter_single(out, x.contiguous(), group=group, async_op=True)
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    out, work = _start_reduce_scatter(x, group)
+    work.wait()
     return out
 
 
@@ -106,13 +112,7 @@ class _GatherTokensLinear(torch.autograd.Function):
     def backward(ctx, dy):
         gathered, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx_full = dy @ weight
-        size = dist.get_world_size(ctx.group)
-        if dx_full.shape[0] % size:
-            raise ValueError(f"sequence parallelism needs the token count ({dx_full.shape[0]}) divisible by "
-                             f"tp={size}")
-        dx = torch.empty((dx_full.shape[0] // size, *dx_full.shape[1:]), dtype=dx_full.dtype, device=dx_full.device)
-        pending = _reduce_scatter_single(dx, dx_full, group=ctx.group, async_op=True)
+        dx, pending = _start_reduce_scatter(dy @ weight, ctx.group)
         dw = dy.t() @ gathered if ctx.needs_input_grad[1] else None  # while the reduce-scatter runs
         pending.wait()
         return dx, dw, None

@@ -19,9 +19,9 @@ from redline.trainer.parallel.stages import stage_layers
 
 
 def split_stage(model: nn.Module, state: ParallelState) -> nn.Module:
-    """Keep this stage's layers (``ParallelState.stage_sizes``; names unchanged); the first stage keeps the embedding, the last the final norm
-    and LM head. With tied embeddings the last stage gets its own ``lm_head`` copy of the embedding, kept equal
-    to it by summing their gradients (``finalize_grads``)."""
+    """Keep this stage's layers (``ParallelState.stage_sizes``; names unchanged); the first stage keeps the
+    embedding, the last the final norm and LM head. With tied embeddings the last stage gets its own ``lm_head``
+    copy of the embedding, kept equal to it by summing their gradients (``finalize_grads``)."""
     first, last = state.pp_rank == 0, state.pp_rank == state.pp - 1
     keep = {str(i) for i in stage_layers(state.stage_sizes(model.spec), state.pp_rank)}
     for name in [n for n in model.layers if n not in keep]:

@@ -2,9 +2,10 @@
 
 from collections.abc import Sequence
 
+
 def head_cost_layers(spec) -> float:
     """The LM head's forward + backward cost in decoder layers of ``spec`` (a ``ModelSpec``), for balancing pipeline
-    stages: its GEMM FLOPs over a layer's (q, k, v, o and the three MLP projections). Profiled on 2x H200 (Qwen3-8B's
+    stages: its GEMM FLOPs over a layer's (q, k, v, o and the three MLP projections). Profiled on two H200s (Qwen3-8B's
     shape, 8 layers split 5 + 3, PP=2) the head cost ~3.7 layers where this says 3.2: a layer's attention and
     elementwise work and the head's loss epilogue roughly cancel."""
     h = spec.hidden_size
