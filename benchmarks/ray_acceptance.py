@@ -104,6 +104,8 @@ def main() -> int:
     parser.add_argument("--num-rollout", type=int, default=None, help="RL steps per run (default: the config's)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every engine and placement, alternating")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     write_environment(args.out)  # device, versions, date, commit beside the summary
     extra = ["--num-rollout", str(args.num_rollout)] if args.num_rollout else []
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
