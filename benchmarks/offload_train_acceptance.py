@@ -66,11 +66,8 @@ DEFAULT_MODES = "no-offload-train,offload-train,offload-train-optimizer-gpu"
 # colocated SGLang: its own handling inside the update phase and the sync (redline.loop.weight_sync)
 SGLANG = ("perf/update_weights_sglang_time", "perf/sync_sglang_time")
 SGLANG_KV = re.compile(r"KV Cache is allocated\. .*#tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
-# the last two: the trainer's resume (pause) seconds that ran under the engine's release (weights resume), outside
-# the phases they would otherwise add to (redline.loop.side_by_side)
 TRANSITION = ("perf/release_time", "perf/resume_train_time", "perf/pause_train_time", "perf/resume_weights_time",
-              "perf/sync_time", "perf/check_weights_time", "perf/resume_kv_time", "perf/resume_train_hidden_time",
-              "perf/pause_train_hidden_time")
+              "perf/sync_time", "perf/check_weights_time", "perf/resume_kv_time")
 TOTALS = ("perf/offload_rollout_time", "perf/update_weights_time", "perf/rollout_time", "perf/train_time",
           "perf/logprob_time", "perf/step_time")
 BYTES = ("perf/trainer_paused_bytes", "perf/kv_headroom_bytes")

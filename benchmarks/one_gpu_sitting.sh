@@ -9,7 +9,7 @@
 #    (tests/trainer/test_seq_bounds.py), issue 16's pausable trainer state and colocated syncs;
 # 2. issue 16's colocated-SGLang acceptance (benchmarks/sglang_colocated_acceptance.sh): the 1.7B update phase
 #    against SGLang's handling (8 steps), then the 4B transition against the sync alone (10 steps), both with the
-#    default --offload-train plan and the transition's overlaps (redline.loop.side_by_side);
+#    default --offload-train plan;
 # 3. issue 18's Ray overhead on the 50M quickstart (benchmarks/ray_acceptance.py, RAY_ENGINES, default the
 #    in-process embedded engine; 3 alternating repeats of 30 steps).
 # Each part writes OUT/<dir>/ and OUT/<part>.log, and a line per start and end in OUT/timeline.txt; a part that

@@ -489,11 +489,11 @@ def check_offload_level(config) -> None:
 
 
 def check_sync_switches() -> None:
-    """The weight sync's environment switches (``REDLINE_SYNC_SHARE``, ``REDLINE_SYNC_ZERO_COPY``,
-    ``REDLINE_OVERLAP_TRANSITION``), before an engine starts."""
-    from redline.loop.weight_sync import OVERLAP_ENV, SHARE_ENV, ZERO_COPY_ENV, env_switch
+    """The weight sync's environment switches (``REDLINE_SYNC_SHARE``, ``REDLINE_SYNC_ZERO_COPY``), before an engine
+    starts."""
+    from redline.loop.weight_sync import SHARE_ENV, ZERO_COPY_ENV, env_switch
 
-    for name in (SHARE_ENV, ZERO_COPY_ENV, OVERLAP_ENV):
+    for name in (SHARE_ENV, ZERO_COPY_ENV):
         try:
             env_switch(name)
         except ValueError as exc:

@@ -21,10 +21,7 @@ master weights and moments before the engine resumes its weights, the compute we
 check) has read them, both timed as ``perf/pause_train_time``; the GPU memory the paused trainer still holds is
 ``perf/trainer_paused_bytes``; each group's share is ``perf/pause_train_<group>_time``. The trainer resumes at the
 next ``release`` (``perf/resume_train_time``: ``perf/resume_train_map_time`` and ``_rebuild_time``), before the
-log-prob phase. Its memory cannot cross CUDA IPC, so the engine process gets the pipelined protocol. Where the GPU
-has room for both, the state's pause runs while the engine resumes its weights and the trainer's resume while the
-engine releases its memory (``redline.loop.side_by_side``: the seconds hidden under the engine's call are
-``perf/pause_train_hidden_time`` / ``perf/resume_train_hidden_time``, the phase parts keep the exposed rest).
+log-prob phase. Its memory cannot cross CUDA IPC, so the engine process gets the pipelined protocol.
 
 With ``--no-colocate`` (``BroadcastWeightSync``) the engines run on other GPUs (embedded engine processes also on
 the CPU of a CPU machine): the trainer is rank 0 of a ``redline.sync.broadcast`` weight-update group, built the way
@@ -43,10 +40,9 @@ from datetime import timedelta
 
 import torch
 from redline.devices import device_scope
-from redline.loop.side_by_side import OVERLAP_ENV, has_room, side_by_side
 from redline.loop.train_offload import device_memory, make_room
-from redline.ports import free_port
 from redline.rollout.engine import MEMORY_TAGS
+from redline.ports import free_port
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 from redline.sync.protocol import SyncError
 from redline.sync.zero_copy import plan_in_place
@@ -158,8 +154,6 @@ class WeightSync:
         self.plan: WeightPlan = plan_for(model.export_hf(), bucket_bytes)
         self.released = False
         self.engine_bytes = 0  # bytes the engine released to the driver at its last release
-        self.weights_bytes = 0  # bytes the engine's weights took back at the last resume that ran alone
-        self.overlap = env_switch(OVERLAP_ENV)  # the trainer's pause / resume beside the engine's memory calls
         self.row_stride = 1 if check_weights else SAMPLED_ROW_STRIDE
         self.timings: dict[str, float] = {}
         self.sender = self.local = self.flat = self.targets = None
@@ -193,31 +187,13 @@ class WeightSync:
         if self.offload and self.seat is not None:  # the engine is idle only once every rank of the seat is
             await asyncio.to_thread(_barrier, self.seat.group)
         if self.offload and not self.released and self.controls_engine:
-            release = self.engine.release_memory(set(self.offload_tags))
-            if self._resume_beside_release():  # engine_bytes stays the last measured one
-                times = await side_by_side(release, self.train.resume, self.device)
-                self.timings.update({"perf/release_time": times.engine, "perf/resume_train_time": times.exposed,
-                                     "perf/resume_train_hidden_time": times.hidden, **self.train.timings})
-            else:
-                free_before = device_memory(self.device)[0]
-                await self._timed("perf/release_time", release)
-                # what the engine gave back to the driver, and takes again on resume (an in-process engine returns
-                # its memory to the shared caching allocator instead: 0 here)
-                self.engine_bytes = device_memory(self.device)[0] - free_before
+            free_before = device_memory(self.device)[0]
+            await self._timed("perf/release_time", self.engine.release_memory(set(self.offload_tags)))
+            # what the engine gave back to the driver, and takes again on resume (an in-process engine returns its
+            # memory to the shared caching allocator instead: 0 here)
+            self.engine_bytes = device_memory(self.device)[0] - free_before
             self.released = True
         await self.resume_train()
-
-    def _resume_beside_release(self) -> bool:
-        """The paused trainer maps its state back while the engine releases: when the engine gives its memory to
-        the driver (``engine_bytes``, another process) and the trainer's paused bytes fit beside it now."""
-        return (self.overlap and self.train is not None and self.train.paused and self.engine_bytes > 0
-                and has_room(self.device, self.train.plan.device_bytes, CACHE_HEADROOM))
-
-    def _pause_beside_resume(self) -> bool:
-        """The trainer's state pauses while the engine takes its weights back: when the weights' bytes, measured at
-        a resume that ran alone, fit beside the trainer's unpaused state now."""
-        return (self.overlap and self.released and "weights" in self.offload_tags and self.controls_engine
-                and has_room(self.device, self.weights_bytes, CACHE_HEADROOM))
 
     async def resume_train(self) -> None:
         """``--offload-train``: the trainer's paused state back before it trains or takes log-probs
@@ -225,7 +201,6 @@ class WeightSync:
         if self.train is not None and self.train.paused:
             await self._timed("perf/resume_train_time", self._run(self.train.resume))
             self.timings.update(self.train.timings)  # its parts: mapping back, the rebuild
-            self.timings["perf/resume_train_hidden_time"] = 0.0  # every rank's records have the same keys
 
     async def _make_room(self) -> None:
         """Give the trainer's cached, unused blocks back to the driver only when the engine's memory would not
@@ -237,30 +212,20 @@ class WeightSync:
         """Send the model's current weights to the engine as ``version`` and check them, taking back released
         memory around the update (weights first, KV cache after)."""
         handled = getattr(self.engine, "handling_seconds", None) if self.controls_engine else None
-        weights_bytes = 0  # what the engine's weights took back: the rest of engine_bytes is its KV cache
-        weights_resumed = False  # beside the trainer's pause
         if self.train is not None:
             await self.resume_train()  # paused without the rollout's release between (a restarted engine)
-            if self._pause_beside_resume():
-                weights_bytes, weights_resumed = self.weights_bytes, True
-                room = self.engine_bytes - weights_bytes + CACHE_HEADROOM  # the KV cache's: the weights fit already
-                times = await side_by_side(self.engine.resume_memory({"weights"}),
-                                           lambda: self.train.pause_state(room), self.device)
-                self.timings.update({"perf/resume_weights_time": times.engine, "perf/pause_train_time": times.exposed,
-                                     "perf/pause_train_hidden_time": times.hidden})
-            else:
-                # the trainer's cached blocks go back to the driver only when the engine's memory would not fit
-                room = self.engine_bytes + CACHE_HEADROOM if self.engine_bytes else None
-                await self._timed("perf/pause_train_time", self._run(lambda: self.train.pause_state(room)))
-                self.timings["perf/pause_train_hidden_time"] = 0.0
+            # the trainer's cached blocks go back to the driver only when the engine's memory would not fit beside
+            room = self.engine_bytes + CACHE_HEADROOM if self.engine_bytes else None
+            await self._timed("perf/pause_train_time", self._run(lambda: self.train.pause_state(room)))
         elif self.released:
             await self._timed("perf/pause_train_time", self._make_room())
             if self.device.type == "cuda":
                 self.timings["perf/trainer_paused_bytes"] = torch.cuda.memory_reserved(self.device)
-        if self.released and "weights" in self.offload_tags and not weights_resumed:
+        weights_bytes = 0  # what the engine's weights took back: the rest of engine_bytes is its KV cache
+        if self.released and "weights" in self.offload_tags:
             free_before = device_memory(self.device)[0]
             await self._timed("perf/resume_weights_time", self.engine.resume_memory({"weights"}))
-            self.weights_bytes = weights_bytes = free_before - device_memory(self.device)[0]
+            weights_bytes = free_before - device_memory(self.device)[0]
         before_sync = self.engine.handling_seconds if handled is not None else None
         await self._timed("perf/sync_time", self._sync(version))
         if handled is not None:

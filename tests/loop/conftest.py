@@ -1,11 +1,8 @@
 """Fixtures shared by the loop's test modules."""
 
-import shutil
-
 import pytest
 
 from redline.loop.builtin import tiny_model
-from redline.sync.memory import NativeLibraryMissing, PausableMemory, native_library_path
 from tests.loop.no_colocate_procs import NO_COLOCATE, ONE_STEP
 from tests.loop.test_model_parallel import train
 
@@ -27,28 +24,3 @@ def single_process_no_colocate(no_colocate_model, tmp_path_factory):
 def single_process_one_step(no_colocate_model, tmp_path_factory):
     """The same with ``--async-rollout one-step`` (pushing after every second step)."""
     return train(tmp_path_factory.mktemp("single-one-step"), no_colocate_model, *NO_COLOCATE, *ONE_STEP)
-
-
-@pytest.fixture
-def memory(tmp_path):
-    """A private copy of the native library (its own allocations) on its host imitation of the driver."""
-    try:
-        library = native_library_path()
-    except NativeLibraryMissing as exc:
-        pytest.skip(f"the native library is not built here: {exc}")
-    copy = tmp_path / "libredline_native_offload.so"
-    shutil.copy(library, copy)
-    return PausableMemory.host_imitation(copy)
-
-
-@pytest.fixture
-def process_memory(memory, monkeypatch):
-    """``memory`` as the process's pausable memory: the loop's own ``train_offload`` lookups build their
-    ``TrainOffload`` over it (the real driver's ``PausableMemory`` needs a GPU)."""
-    from redline.loop import train_offload
-    from redline.sync import memory as memory_module
-
-    train_offload._train_offload.cache_clear()
-    monkeypatch.setattr(memory_module, "PausableMemory", lambda device: memory)
-    yield memory
-    train_offload._train_offload.cache_clear()

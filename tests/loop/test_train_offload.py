@@ -3,17 +3,49 @@
 Runs on the native allocator's host imitation of the driver (``PausableMemory.host_imitation``): the same
 bookkeeping as on a GPU, with host memory mapped and unmapped in place of device memory."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 from redline.configfile import ConfigError
 from redline.loop.train_offload import TrainOffload
+from redline.sync.memory import (
+    NativeLibraryMissing,
+    PausableMemory,
+    native_library_path,
+)
 from redline.trainer.mixed_precision import MasterWeights, MixedPrecisionAdamW
 from redline.trainer.models import from_config
 
 PAGE = 4096  # the imitation's allocation granularity
 STEPS = 3
+
+
+@pytest.fixture
+def memory(tmp_path):
+    """A private copy of the native library (its own allocations) on its host imitation of the driver."""
+    try:
+        library = native_library_path()
+    except NativeLibraryMissing as exc:
+        pytest.skip(f"the native library is not built here: {exc}")
+    copy = tmp_path / "libredline_native_offload.so"
+    shutil.copy(library, copy)
+    return PausableMemory.host_imitation(copy)
+
+
+@pytest.fixture
+def process_memory(memory, monkeypatch):
+    """``memory`` as the process's pausable memory: the loop's own ``train_offload`` lookups build their
+    ``TrainOffload`` over it (the real driver's ``PausableMemory`` needs a GPU)."""
+    from redline.loop import train_offload
+    from redline.sync import memory as memory_module
+
+    train_offload._train_offload.cache_clear()
+    monkeypatch.setattr(memory_module, "PausableMemory", lambda device: memory)
+    yield memory
+    train_offload._train_offload.cache_clear()
 
 
 def bf16_model(seed=0):
