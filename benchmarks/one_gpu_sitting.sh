@@ -19,20 +19,15 @@ OUT=${1:?usage: bash benchmarks/one_gpu_sitting.sh OUT}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-part() {  # part NAME command...: one part, timed, logged
-  local name=$1; shift
-  echo "$(date -u +%T) start $name" >> "$OUT/timeline.txt"
-  "$@" > "$OUT/$name.log" 2>&1
-  echo "$(date -u +%T) end $name (exit $?)" >> "$OUT/timeline.txt"
-}
+source benchmarks/sitting_parts.sh
 
-part 0-native bash -c 'cmake -S . -B build/native -DCMAKE_BUILD_TYPE=Release && cmake --build build/native -j 8'
+part 0-native 0 bash -c 'cmake -S . -B build/native -DCMAKE_BUILD_TYPE=Release && cmake --build build/native -j 8'
 export REDLINE_NATIVE_LIBRARY=$PWD/build/native/libredline_native.so  # the pausable memory of the GPU tests
-part 1-gpu-tests python3 -m pytest -q -m gpu tests/trainer/test_seq_bounds.py tests/loop/test_train_offload.py \
+part 1-gpu-tests 0 python3 -m pytest -q -m gpu tests/trainer/test_seq_bounds.py tests/loop/test_train_offload.py \
   tests/loop/test_colocated_sync.py &
-part 2-16-1.7b bash benchmarks/sglang_colocated_acceptance.sh "$OUT/p16" 1.7b
+part 2-16-1.7b 0 bash benchmarks/sglang_colocated_acceptance.sh "$OUT/p16" 1.7b
 wait
-part 2-16-4b bash benchmarks/sglang_colocated_acceptance.sh "$OUT/p16" 4b
-part 3-18-ray python3 benchmarks/ray_acceptance.py "$OUT/p18" --engines "${RAY_ENGINES:-embedded}" --repeats 3 \
+part 2-16-4b 0 bash benchmarks/sglang_colocated_acceptance.sh "$OUT/p16" 4b
+part 3-18-ray 0 python3 benchmarks/ray_acceptance.py "$OUT/p18" --engines "${RAY_ENGINES:-embedded}" --repeats 3 \
   --num-rollout 30
 echo "$(date -u +%T) done" >> "$OUT/timeline.txt"

@@ -8,9 +8,9 @@
 #    17's TP=4 + SP and PP=2 x TP=2 on the 8B shape, 10 steps, and the slice at TP=4 + SP; then the slice's
 #    scaling at 64 prompts x 8, one optimizer step per rollout, each run's last step traced: GPUs 2,3 TP=1 then
 #    PP=2 (6 + 2), GPUs 0,1 TP=2 + SP, then TP=2 + SP with async TP (--tp-comm-overlap) for comparison;
-# 2. once SGLang is installed (the file OUT/sglang-ready): GPU 2 issue 16's 4B colocated transition with
-#    --offload-rollout-level kv_cache (the engine keeps its weights); GPU 3 issue 18's Ray overhead (3 alternating
-#    repeats, embedded engine and SGLang); GPUs 0,1 issue 18's disaggregated placement under Ray.
+# 2. once SGLang and Ray are installed (the file OUT/sglang-ready): GPU 3 issue 18's Ray overhead (3 alternating
+#    repeats, embedded engine and SGLang); GPUs 0,1 issue 18's disaggregated placement under Ray. (Issue 16's 4B
+#    runs need one GPU to themselves: benchmarks/one_gpu_sitting.sh.)
 # Each part writes OUT/<dir>/ and OUT/<part>.log, and a line per start and end in OUT/timeline.txt; a part that
 # fails does not stop the others. The sitting of 2026-11-28 ran an earlier form of this script
 # (benchmarks/results/loop/parallel-h200x4/README.md).
@@ -20,26 +20,14 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 UB_SKIPMC=1 PYTHONUNBUFFERED=1
 PA=(python3 benchmarks/parallel_acceptance.py)
 SCALING="--rollout-batch-size 64 --global-batch-size 512 --num-steps-per-rollout 1"
-
-part() {  # part NAME CUDA_VISIBLE_DEVICES command...: one part, timed, logged
-  local name=$1 gpus=$2; shift 2
-  echo "$(date -u +%T) start $name on GPUs $gpus" >> "$OUT/timeline.txt"
-  CUDA_VISIBLE_DEVICES=$gpus "$@" > "$OUT/$name.log" 2>&1
-  echo "$(date -u +%T) end $name (exit $?)" >> "$OUT/timeline.txt"
-}
+source benchmarks/sitting_parts.sh
 
 scaling() {  # scaling NAME GPUS DIR RUN [flags]: one slice run of part 1 into OUT/DIR
   local name=$1 gpus=$2 dir=$3 run=$4; shift 4
   part "$name" "$gpus" "${PA[@]}" "$OUT/$dir" --engine embedded --steps 6 --profile --extra="$SCALING $*" --only "$run"
 }
 
-part 0-models 0,1,2,3 python3 - "$OUT/p17" <<'EOF'
-import sys
-from pathlib import Path
-sys.path.insert(0, "benchmarks")
-import parallel_acceptance as pa
-pa.make_models(pa.model_dirs(Path(sys.argv[1]), pa.MODEL, 8), pa.MODEL, 8, {"full", "slice"}, "bfloat16")
-EOF
+part 0-models 0,1,2,3 slice_models "$OUT/p17"
 for dir in p17scaling p17scaling-async-tp; do
   mkdir -p "$OUT/$dir"; ln -sfn "$OUT/p17/models" "$OUT/$dir/models"
 done
@@ -58,7 +46,6 @@ for dir in p17scaling p17scaling-async-tp; do
 done
 
 while [ ! -e "$OUT/sglang-ready" ]; do sleep 5; done
-part 2-16-4b-keep-weights 2 bash benchmarks/sglang_colocated_acceptance.sh "$OUT/p16" 4b-keep-weights &
 part 2-18-ray 3 python3 benchmarks/ray_acceptance.py "$OUT/p18" --engines embedded,sglang --repeats 3 \
   --num-rollout 30 &
 part 2-18-ray-disaggregated 0,1 python3 benchmarks/ray_acceptance.py "$OUT/p18-disaggregated" \
