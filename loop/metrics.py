@@ -220,6 +220,10 @@ class MetricsLog:
         return lines
 
     def close(self) -> None:
+        """Every record on disk when it returns: TensorBoard's events and, with W&B, its run finished and its
+        writer process stopped (``finish`` alone can return before an offline run's file holds the records: CI
+        saw one holding only its header)."""
         self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
+            self.wandb.teardown()
