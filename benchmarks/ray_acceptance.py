@@ -16,9 +16,12 @@ summary.md) over the steps after the first two (step 1 pays first-call costs), t
 command's wall time (Ray's start-up included), and Ray's overhead on the median step, (ray - no-ray) / no-ray; the
 issue's target is at most 2 %. ``--repeats N`` runs every pair N times, alternating the order each time, and
 reports per run the median over its repeats (each repeat's median step listed beside it): the same code's step
-differs by several per cent between single runs, more than the 2 % the target resolves.
+differs by several per cent between single runs, more than the 2 % the target resolves. So the verdict is given
+only when each placement's repeats agree within the target (``verdict``); otherwise the overhead is reported as not
+resolved, with the repeats' spread (``summary.json``: ``repeat_spread``).
 
-``--config`` takes another TOML; the CPU smoke test runs ``examples/quickstart.toml --num-rollout 3``.
+``--config`` takes another TOML; the CPU test (``tests/loop/test_ray_acceptance.py``) runs ``examples/quickstart.toml
+--engines embedded --num-rollout 4 --repeats 2`` (steps 3 and 4 measured).
 Ray must be installed on the machine (``python3 ../shared/device/stage.py ray`` stages it for the offline GPU box).
 """
 
@@ -83,6 +86,25 @@ def over_repeats(repeats: list[dict]) -> dict:
     return merged
 
 
+def spread(steps: list[float]) -> float:
+    """How far one placement's repeats disagree: (max - min) / median of their median steps."""
+    return (max(steps) - min(steps)) / statistics.median(steps)
+
+
+def verdict(overhead: float | None, base_steps: list[float], ray_steps: list[float]) -> tuple[str, float | None]:
+    """``(text, noise)`` for one engine: the overhead against the 2 % target, decided only when the repeats of each
+    placement agree within the target (``noise``, the larger ``spread``; None with one run each, where the
+    run-to-run noise is not measured); otherwise the overhead is reported as not resolved."""
+    if overhead is None:
+        return "–", None
+    if len(base_steps) < 2 or len(ray_steps) < 2:
+        return f"{overhead:+.1%} (one run each: the run-to-run noise is not measured; --repeats 3)", None
+    noise = max(spread(base_steps), spread(ray_steps))
+    if noise > TARGET:
+        return f"{overhead:+.1%} (not resolved: one placement's repeats differ by {noise:.0%})", noise
+    return f"{overhead:+.1%} ({'meets' if overhead <= TARGET else 'misses'} ≤ 2 %; repeats within {noise:.1%})", noise
+
+
 def phase_table(results: dict) -> str:
     """Where the time goes: every run's median phase times (ms) and its step against its engine's run without Ray;
     ``ray-no-ft`` is Ray without engine fault tolerance, ``no-ray-ft`` fault tolerance without Ray."""
@@ -145,11 +167,12 @@ def main() -> int:
         base, ray = results[f"{engine}-no-ray"], results[f"{engine}-ray"]
         a, b = base["median perf/step_time"], ray["median perf/step_time"]
         overhead = (b - a) / a if a and b else None
+        text, noise = verdict(overhead, [v for v in base["repeat_steps"] if v is not None],
+                              [v for v in ray["repeat_steps"] if v is not None])
         summary["overhead"][engine] = overhead
-        meets = "–" if overhead is None else "meets" if overhead <= TARGET else "misses"
-        verdict = "–" if overhead is None else f"{overhead:+.1%} ({meets} ≤ 2 %)"
+        summary.setdefault("repeat_spread", {})[engine] = noise
         fmt = lambda v: "–" if v is None else f"{v:.4f}"
-        rows.append(f"| {engine} | {fmt(a)} | {fmt(b)} | {verdict} | {base['eval_reward_last']} / "
+        rows.append(f"| {engine} | {fmt(a)} | {fmt(b)} | {text} | {base['eval_reward_last']} / "
                     f"{ray['eval_reward_last']} | {base['wall_s']:.0f} / {ray['wall_s']:.0f} | {base['exit_code']} / "
                     f"{ray['exit_code']} | {', '.join(fmt(v) for v in base['repeat_steps'])} / "
                     f"{', '.join(fmt(v) for v in ray['repeat_steps'])} |")

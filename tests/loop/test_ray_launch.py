@@ -40,7 +40,7 @@ def train(out, *args, env=None, check=True):
 @pytest.fixture(autouse=True)
 def cpu_only():
     if torch.cuda.is_available():
-        pytest.skip("CPU bundles; the GPU acceptance is benchmarks/ray_acceptance.sh")
+        pytest.skip("CPU bundles; the GPU acceptance is benchmarks/ray_acceptance.py")
 
 
 def saved_data_position(out):
