@@ -86,6 +86,10 @@ def over_repeats(repeats: list[dict]) -> dict:
     return merged
 
 
+def seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
 def spread(steps: list[float]) -> float:
     """How far one placement's repeats disagree: (max - min) / median of their median steps."""
     return (max(steps) - min(steps)) / statistics.median(steps)
@@ -171,11 +175,10 @@ def main() -> int:
                               [v for v in ray["repeat_steps"] if v is not None])
         summary["overhead"][engine] = overhead
         summary.setdefault("repeat_spread", {})[engine] = noise
-        fmt = lambda v: "–" if v is None else f"{v:.4f}"
-        rows.append(f"| {engine} | {fmt(a)} | {fmt(b)} | {text} | {base['eval_reward_last']} / "
+        rows.append(f"| {engine} | {seconds(a)} | {seconds(b)} | {text} | {base['eval_reward_last']} / "
                     f"{ray['eval_reward_last']} | {base['wall_s']:.0f} / {ray['wall_s']:.0f} | {base['exit_code']} / "
-                    f"{ray['exit_code']} | {', '.join(fmt(v) for v in base['repeat_steps'])} / "
-                    f"{', '.join(fmt(v) for v in ray['repeat_steps'])} |")
+                    f"{ray['exit_code']} | {', '.join(seconds(v) for v in base['repeat_steps'])} / "
+                    f"{', '.join(seconds(v) for v in ray['repeat_steps'])} |")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "summary.md").write_text(
         f"# Ray's overhead on the RL step ({args.config})\n\nMedians over the steps after "
