@@ -97,12 +97,13 @@ def spread(steps: list[float]) -> float:
 
 def verdict(overhead: float | None, base_steps: list[float], ray_steps: list[float]) -> tuple[str, float | None]:
     """``(text, noise)`` for one engine: the overhead against the 2 % target, decided only when the repeats of each
-    placement agree within the target (``noise``, the larger ``spread``; None with one run each, where the
-    run-to-run noise is not measured); otherwise the overhead is reported as not resolved."""
+    placement agree within the target (``noise``, the larger ``spread``; None with fewer than two measured runs
+    of a placement, where the run-to-run noise is unknown); otherwise the overhead is reported as not resolved."""
     if overhead is None:
         return "–", None
     if len(base_steps) < 2 or len(ray_steps) < 2:
-        return f"{overhead:+.1%} (one run each: the run-to-run noise is not measured; --repeats 3)", None
+        return f"{overhead:+.1%} (fewer than two measured runs of a placement: the run-to-run noise is unknown; " \
+               "--repeats 3)", None
     noise = max(spread(base_steps), spread(ray_steps))
     if noise > TARGET:
         return f"{overhead:+.1%} (not resolved: one placement's repeats differ by {noise:.0%})", noise

@@ -7,7 +7,7 @@
 # 1. issue 17's train-phase scaling on the slice with the current defaults (no async TP, the LM-head-balanced
 #    stage split, the sequence-parallel backward's reduce-scatter under the dW GEMM): 64 prompts x 8, one
 #    optimizer step per rollout, each run's last step traced; TP=1 on one GPU, then TP=2 + SP and PP=2 on both;
-# 2. once Ray is installed (the file OUT/ray-ready): issue 18's disaggregated placement under Ray (the trainer on
+# 2. once Ray is installed (the operator's install call ends with `touch OUT/ray-ready`): issue 18's disaggregated placement under Ray (the trainer on
 #    GPU 0, an embedded engine process on GPU 1 in a bundle of its own), 3 alternating repeats with and without Ray.
 # Each part writes OUT/<dir>/ and OUT/<part>.log, and a line per start and end in OUT/timeline.txt; a part that
 # fails does not stop the others.

@@ -221,8 +221,8 @@ class MetricsLog:
 
     def close(self) -> None:
         """Every record on disk when it returns: TensorBoard's events and, with W&B, its run finished and its
-        writer process stopped (``finish`` alone can return before an offline run's file holds the records: CI
-        saw one holding only its header)."""
+        writer process stopped (after ``finish`` alone, one CI run found an offline run's file holding only its
+        header; not reproduced since)."""
         self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()

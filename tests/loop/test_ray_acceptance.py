@@ -19,7 +19,8 @@ import ray_acceptance as acceptance  # noqa: E402  (a script of benchmarks/, not
     ([1.00, 1.01], [1.01, 1.02], "+1.0% (meets ≤ 2 %; repeats within 1.0%)"),
     ([1.00, 1.01], [1.04, 1.05], "+4.0% (misses ≤ 2 %; repeats within 1.0%)"),
     ([1.36, 1.98, 1.79], [1.54, 1.45, 1.78], "-14.0% (not resolved: one placement's repeats differ by 35%)"),
-    ([1.00], [1.10], "+10.0% (one run each: the run-to-run noise is not measured; --repeats 3)"),
+    ([1.00], [1.10], "+10.0% (fewer than two measured runs of a placement: the run-to-run noise is unknown; "
+                     "--repeats 3)"),
 ])
 def test_the_verdict_needs_repeats_that_agree_within_the_target(base, ray, expected):
     """The third row is the H200 sitting's embedded engine (ms / 100): repeats 136–198 ms without Ray."""
