@@ -1,7 +1,7 @@
 """Issue 18's GPU acceptance in one command: what Ray adds to the RL step of the 50M quickstart on one GPU.
 
     python3 benchmarks/ray_acceptance.py OUTDIR [--engines embedded,embedded-process,sglang,disaggregated]
-                                                [--num-rollout 30] [--repeats 3]
+                                                [--num-rollout 30] [--repeats 3] [--cpus 0-7]
 
 For each engine (colocated on the one GPU: the in-process embedded engine, the embedded engine in its own process,
 SGLang when it is installed; and with two GPUs visible ``disaggregated``: the trainer on GPU 0, an embedded engine
@@ -18,7 +18,9 @@ issue's target is at most 2 %. ``--repeats N`` runs every pair N times, alternat
 reports per run the median over its repeats (each repeat's median step listed beside it): the same code's step
 differs by several per cent between single runs, more than the 2 % the target resolves. So the verdict is given
 only when each placement's repeats agree within the target (``verdict``); otherwise the overhead is reported as not
-resolved, with the repeats' spread (``summary.json``: ``repeat_spread``).
+resolved, with the repeats' spread (``summary.json``: ``repeat_spread``). The 50M step is bound by the host, and
+host speed is what varies between runs: ``--cpus`` (taskset's list syntax) pins every run, Ray's runtime and
+workers included, to the same cores (a local Ray runtime sizes itself, and so its ranks' torch threads, to them).
 
 ``--config`` takes another TOML; the CPU test (``tests/loop/test_ray_acceptance.py``) runs ``examples/quickstart.toml
 --engines embedded --num-rollout 4 --repeats 2`` (steps 3 and 4 measured).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,7 +58,29 @@ TARGET = 0.02
 RUN_TIMEOUT_S = 1200
 
 
-def run(out: Path, name: str, config: str, flags: list[str]) -> dict:
+def cpu_set(text: str) -> set[int]:
+    """The CPUs of a taskset-style list (``0-7``, ``0,2,4-6``); ValueError naming ``--cpus`` when it is malformed or
+    names a CPU this process may not run on."""
+    cpus: set[int] = set()
+    try:
+        for item in text.split(","):
+            first, _, last = item.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"--cpus {text!r}: expected a list like 0-7 or 0,2,4-6") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"--cpus {text!r}: CPUs {sorted(cpus - allowed) or '(none)'} are not among this process's "
+                         f"{len(allowed)} usable CPUs ({min(allowed)}-{max(allowed)})")
+    return cpus
+
+
+def pinned(cpus: set[int] | None):
+    """A subprocess ``preexec_fn`` confining the child (and everything it starts) to ``cpus``; None when unpinned."""
+    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+
+
+def run(out: Path, name: str, config: str, flags: list[str], cpus: set[int] | None = None) -> dict:
     folder = out / name
     cmd = [sys.executable, "-m", "redline.cli", "train", config, "--output-dir", str(folder), "--overwrite", *flags]
     with open(out / f"{name}.log", "w") as log:
@@ -63,7 +88,7 @@ def run(out: Path, name: str, config: str, flags: list[str]) -> dict:
         log.flush()
         began = time.perf_counter()
         code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
-                              check=False).returncode
+                              preexec_fn=pinned(cpus), check=False).returncode
     metrics = folder / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     steps = [r for r in records if r["step"] > SKIPPED_STEPS and "perf/step_time" in r]
@@ -130,9 +155,14 @@ def main() -> int:
     parser.add_argument("--engines", default="embedded,embedded-process,sglang,disaggregated")
     parser.add_argument("--num-rollout", type=int, default=None, help="RL steps per run (default: the config's)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every engine and placement, alternating")
+    parser.add_argument("--cpus", default=None, help="pin every run to these CPUs (taskset list: 0-7)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    try:
+        cpus = cpu_set(args.cpus) if args.cpus else None
+    except ValueError as exc:
+        parser.error(str(exc))
     write_environment(args.out)  # device, versions, date, commit beside the summary
     extra = ["--num-rollout", str(args.num_rollout)] if args.num_rollout else []
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -142,7 +172,7 @@ def main() -> int:
         engines.remove("sglang")
     probe = "import torch; print(torch.cuda.device_count(), torch.get_num_threads())"
     gpus, threads = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                   check=False).stdout.split() or ["0", "?"]
+                                   preexec_fn=pinned(cpus), check=False).stdout.split() or ["0", "?"]
     if "disaggregated" in engines and int(gpus or 0) < 2:
         print(f"{gpus or 0} GPU(s) visible: the disaggregated runs (2 GPUs) are skipped")
         engines.remove("disaggregated")
@@ -156,7 +186,8 @@ def main() -> int:
                 folder = name if repeat == 0 else f"{name}-{repeat + 1}"
                 print(f"running {folder} ...", flush=True)
                 result = {"engine": engine, "placement": placement,
-                          **run(args.out, folder, args.config, [*ENGINES[engine], *placements[placement], *extra])}
+                          **run(args.out, folder, args.config, [*ENGINES[engine], *placements[placement], *extra],
+                                cpus)}
                 repeats.setdefault(name, []).append(result)
                 print(f"  {result}", flush=True)
     results = {name: over_repeats(runs) for name, runs in repeats.items()}
@@ -166,8 +197,8 @@ def main() -> int:
     # a rank's torch threads and niceness under Ray (placement.json) against a process of its own's
     ranks = {name: json.loads((args.out / name / "placement.json").read_text())[0]["attempts"][0]
              for name in results if (args.out / name / "placement.json").exists()}
-    summary = {"config": args.config, "runs": results, "overhead": {}, "torch_threads_without_ray": threads,
-               "ray_rank": ranks}
+    summary = {"config": args.config, "cpus": sorted(cpus) if cpus else None, "runs": results, "overhead": {},
+               "torch_threads_without_ray": threads, "ray_rank": ranks}
     for engine in engines:
         base, ray = results[f"{engine}-no-ray"], results[f"{engine}-ray"]
         a, b = base["median perf/step_time"], ray["median perf/step_time"]
@@ -183,7 +214,8 @@ def main() -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "summary.md").write_text(
         f"# Ray's overhead on the RL step ({args.config})\n\nMedians over the steps after "
-        f"step {SKIPPED_STEPS}, then over {args.repeats} repeat(s) of each run. torch threads without Ray: "
+        f"step {SKIPPED_STEPS}, then over {args.repeats} repeat(s) of each run. CPUs: "
+        f"{args.cpus + ' (every run pinned)' if cpus else 'all, unpinned'}. torch threads without Ray: "
         f"{threads}; under Ray (rank 0: threads, niceness): "
         + (", ".join(f"{n} {r.get('torch_threads')}, {r.get('niceness')}" for n, r in ranks.items()) or "–")
         + "\n\n" + "\n".join(rows) + "\n\n" + phase_table(results) + "\n")

@@ -171,14 +171,21 @@ def _shares_bundle(config) -> bool:
 
 
 def _local_runtime(config) -> dict:
-    """``ray.init`` arguments of the runtime ``local`` starts: at least one CPU per bundle, so the placement group
-    fits on a CPU machine; and the ranks at the driver's priority. Ray starts its workers at niceness 15
-    (``worker_niceness``), below its own daemons and every other process of the machine, which costs the
-    host-bound step whenever anything else wants a core (benchmarks/results/loop/ray-cpu/README.md); a cluster
-    started by ``ray start`` sets it there (``RAY_worker_niceness=0 ray start ...``), and so does the
-    environment here."""
+    """``ray.init`` arguments of the runtime ``local`` starts: the CPUs this process may use (``usable_cpus``), at
+    least one per bundle, so the placement group fits on a CPU machine; and the ranks at the driver's priority. Ray
+    starts its workers at niceness 15 (``worker_niceness``), below its own daemons and every other process of the
+    machine, which costs the host-bound step whenever anything else wants a core
+    (benchmarks/results/loop/ray-cpu/README.md); a cluster started by ``ray start`` sets it there
+    (``RAY_worker_niceness=0 ray start ...``), and so does the environment here."""
     system = {} if "RAY_worker_niceness" in os.environ else {"worker_niceness": 0}
-    return {"num_cpus": max(os.cpu_count() or 1, group_size(config)[1]), "_system_config": system}
+    return {"num_cpus": max(usable_cpus(), group_size(config)[1]), "_system_config": system}
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: ``taskset``, a cgroup cpuset, a batch scheduler's
+    binding), which a local runtime's workers inherit; ``os.cpu_count()`` counts the whole machine, and would
+    give the ranks more torch threads than they have cores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _fixed_output_dir(config) -> str:

@@ -2,6 +2,7 @@
 verdict only where the repeats resolve the 2 % target."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,32 @@ def test_the_verdict_needs_repeats_that_agree_within_the_target(base, ray, expec
     overhead = statistics.median(ray) / statistics.median(base) - 1
     text, _ = acceptance.verdict(overhead, base, ray)
     assert text == expected
+
+
+@pytest.mark.parametrize("text,expected", [("0", {0}), ("0-1", {0, 1}), ("1,0", {0, 1}), ("0-0,1", {0, 1})])
+def test_cpus_take_tasksets_list_syntax(text, expected):
+    if not expected <= os.sched_getaffinity(0):
+        pytest.skip(f"this machine lets the tests use CPUs {sorted(os.sched_getaffinity(0))}, not {sorted(expected)}")
+    assert acceptance.cpu_set(text) == expected
+
+
+@pytest.mark.parametrize("text,message", [("0-x", "expected a list like 0-7"), ("", "expected a list like 0-7"),
+                                          ("100000", r"CPUs \[100000\] are not among")])
+def test_bad_cpus_name_the_flag(text, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        acceptance.cpu_set(text)
+    assert str(caught.value).startswith(f"--cpus {text!r}")
+
+
+def test_a_pinned_run_and_its_local_ray_runtime_see_only_the_given_cpus():
+    """What ``--cpus`` gives a run: the child's affinity, and the CPU count a local Ray runtime sizes itself (and its
+    ranks' torch threads) to (``ray_launch.usable_cpus``)."""
+    cpu = min(os.sched_getaffinity(0))
+    probe = "import os; from redline.loop.ray_launch import usable_cpus; print(sorted(os.sched_getaffinity(0)), " \
+            "usable_cpus())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          preexec_fn=acceptance.pinned({cpu}))
+    assert done.stdout.split("] ") == [f"[{cpu}", "1\n"]
 
 
 @pytest.mark.ray
