@@ -1,0 +1,107 @@
+"""What streaming a rollout's answers between Ray actors costs, one chunk per finished answer against chunks that
+gather what finished while the reader was behind (``redline.loop.ray_engines.STREAM_BACKLOG``).
+
+    python3 benchmarks/bench_ray_stream.py OUTDIR [--answers 200] [--spread-ms 200] [--repeats 7]
+
+An engine actor answers ``--answers`` one-request generate calls, finishing them evenly over ``--spread-ms`` (as an
+SGLang server's HTTP responses come back one by one), through redline's own ``as_they_finish`` stream; the reader is
+a ``RayEngine`` in another actor making the calls in one event-loop turn, as the rollout manager does. Per setting:
+the median over the repeats of the time from the calls to the last answer, less the spread (what the stream adds
+after the engine's last answer), and the chunks the stream carried. Writes OUTDIR/ray-stream.json and .md, and the machine and
+versions beside them (``environment.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from redline.env_report import write_environment
+
+SETTINGS = {"one chunk per answer (no backpressure)": -1, "STREAM_BACKLOG = 1 (redline's)": 1}
+
+
+class StaggeredEngine:
+    """An engine actor's ``generate_each`` (as ``EngineHost``'s) over requests that are delays in seconds."""
+
+    def __init__(self):
+        self.chunks = 0
+
+    async def generate_each(self, requests):
+        from redline.loop.ray_engines import as_they_finish
+
+        async def answer(delay):
+            await asyncio.sleep(delay)
+            return [delay]
+
+        async for finished in as_they_finish([asyncio.ensure_future(answer(r)) for r in requests]):
+            self.chunks += 1
+            yield finished
+
+    def take_chunks(self) -> int:
+        chunks, self.chunks = self.chunks, 0
+        return chunks
+
+
+class Reader:
+    """The rollout manager's side: one ``RayEngine.generate`` call per answer, made in one turn."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def read(self, answers: int, spread_s: float, backlog: int) -> float:
+        from redline.loop import ray_engines
+
+        ray_engines.STREAM_BACKLOG = backlog
+        engine = ray_engines.RayEngine(self.engine, {})
+        began = time.perf_counter()
+        await asyncio.gather(*(engine.generate([spread_s * i / answers]) for i in range(answers)))
+        return time.perf_counter() - began - spread_s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--answers", type=int, default=200)
+    parser.add_argument("--spread-ms", type=float, default=200.0)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    import ray
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    environment = json.loads(write_environment(args.out).read_text())
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    engine = ray.remote(StaggeredEngine).remote()
+    reader = ray.remote(Reader).remote(engine)
+    results = {}
+    for name, backlog in SETTINGS.items():
+        ray.get(reader.read.remote(args.answers, args.spread_ms / 1e3, backlog))  # warm-up
+        ray.get(engine.take_chunks.remote())
+        after = [ray.get(reader.read.remote(args.answers, args.spread_ms / 1e3, backlog))
+                 for _ in range(args.repeats)]
+        results[name] = {"backlog": backlog, "after_last_answer_ms": [a * 1e3 for a in after],
+                         "median_after_last_answer_ms": statistics.median(after) * 1e3,
+                         "chunks_per_rollout": ray.get(engine.take_chunks.remote()) / args.repeats}
+        print(name, results[name], flush=True)
+    ray.shutdown()
+    summary = {"answers": args.answers, "spread_ms": args.spread_ms, "repeats": args.repeats, "results": results}
+    (args.out / "ray-stream.json").write_text(json.dumps(summary, indent=1) + "\n")
+    rows = [f"| {name} | {r['median_after_last_answer_ms']:.1f} | {r['chunks_per_rollout']:.0f} |"
+            for name, r in results.items()]
+    (args.out / "ray-stream.md").write_text(
+        f"# {args.answers} answers finishing over {args.spread_ms:.0f} ms, streamed between two Ray actors\n\n"
+        f"Medians of {args.repeats} rollouts; Ray {environment['software']['Ray']}, commit {environment['commit']}, "
+        f"{environment['date']} (`environment.json`).\n\n"
+        "| stream | reader's last answer after the engine's (ms) | chunks per rollout |\n| --- | ---: | ---: |\n"
+        + "\n".join(rows) + "\n")
+    print((args.out / "ray-stream.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
