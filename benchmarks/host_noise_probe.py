@@ -46,7 +46,8 @@ for i in range(2_000_000):
 python = (time.perf_counter() - began) / 2000 * 1e6
 pynvml.nvmlInit()
 clock = pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByIndex(0), pynvml.NVML_CLOCK_SM)
-print(json.dumps({"launch_us": launch, "round_trip_us": round_trip, "python_us_per_1000": python, "sm_clock_mhz": clock}))
+print(json.dumps({"launch_us": launch, "round_trip_us": round_trip, "python_us_per_1000": python,
+                  "sm_clock_mhz": clock}))
 """
 KEYS = ("launch_us", "round_trip_us", "python_us_per_1000", "sm_clock_mhz")
 

@@ -19,12 +19,19 @@ import ray_acceptance as acceptance  # noqa: E402  (a script of benchmarks/, not
 @pytest.mark.parametrize("base,ray,expected", [
     ([1.00, 1.01], [1.01, 1.02], "+1.0% (meets ≤ 2 %; repeats within 1.0%)"),
     ([1.00, 1.01], [1.04, 1.05], "+4.0% (misses ≤ 2 %; repeats within 1.0%)"),
-    ([1.36, 1.98, 1.79], [1.54, 1.45, 1.78], "-14.0% (not resolved: one placement's repeats differ by 35%)"),
+    ([1.36, 1.98, 1.79], [1.54, 1.45, 1.78], "-14.0% (not resolved: one placement's repeats differ by 35%, and "
+                                             "pairs of runs give -27% to +31%)"),
+    ([3.622, 3.547, 3.558], [4.486, 3.749, 4.551], "+26.1% (misses ≤ 2 %: every Ray run is at least +3.5% slower "
+                                                   "than every run without Ray; repeats differ by 18%)"),
+    ([1.00, 1.10], [1.01, 1.015], "-3.6% (meets ≤ 2 %: no Ray run is more than +1.5% slower than any run without "
+                                  "Ray; repeats differ by 10%)"),
     ([1.00], [1.10], "+10.0% (fewer than two measured runs of a placement: the run-to-run noise is unknown; "
                      "--repeats 3)"),
 ])
 def test_the_verdict_needs_repeats_that_agree_within_the_target(base, ray, expected):
-    """The third row is the H200 sitting's embedded engine (ms / 100): repeats 136–198 ms without Ray."""
+    """Rows 3 and 4 are H200 sittings (ms / 100): the embedded engine unpinned, repeats 136–198 ms without Ray
+    (results/loop/ray-h200/one-gpu-5a4425c/), and SGLang pinned, every Ray run slower than every run without
+    (results/loop/ray-h200/pinned-b0e127b/)."""
     overhead = statistics.median(ray) / statistics.median(base) - 1
     text, _ = acceptance.verdict(overhead, base, ray)
     assert text == expected
