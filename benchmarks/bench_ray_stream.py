@@ -33,16 +33,16 @@ class StaggeredEngine:
     def __init__(self):
         self.chunks = 0
 
-    async def generate_each(self, requests):
-        from redline.loop.ray_engines import as_they_finish
+    async def generate_each(self, requests: bytes):
+        from redline.loop.ray_engines import as_they_finish, packed, unpacked
 
         async def answer(delay):
             await asyncio.sleep(delay)
             return [delay]
 
-        async for finished in as_they_finish([asyncio.ensure_future(answer(r)) for r in requests]):
+        async for finished in as_they_finish([asyncio.ensure_future(answer(r)) for r in unpacked(requests)]):
             self.chunks += 1
-            yield finished
+            yield packed(finished)
 
     def take_chunks(self) -> int:
         chunks, self.chunks = self.chunks, 0

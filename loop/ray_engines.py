@@ -23,12 +23,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
 
 ENGINES_ENV = "REDLINE_RAY_ENGINES"
 # chunks of a generate_each stream that may wait unread before the actor holds its next one (Ray's generator
 # backpressure), gathering the answers that finish meanwhile into it
 STREAM_BACKLOG = 1
+
+
+def packed(value) -> bytes:
+    """``value`` as bytes for an actor call or a stream. Ray's own serializer (cloudpickle, a Python callback per
+    object) took 4.7-5.0 ms to bring 200 requests to an actor method, their pickle's bytes 3.2-3.3 ms; the rollout
+    of the quickstart under Ray went from 91.7-96.8 to 85.3-85.8 ms (results/loop/ray-cpu/packed/)."""
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpacked(data: bytes):
+    """What ``packed`` packed."""
+    return pickle.loads(data)
 
 
 def engine_bundles() -> dict | None:
@@ -75,9 +88,11 @@ class EngineHost:
     async def call(self, method: str, *args):
         return await getattr(self.engine, method)(*args)
 
-    async def generate_each(self, requests):
-        async for finished in as_they_finish([asyncio.ensure_future(self.engine.generate([r])) for r in requests]):
-            yield finished
+    async def generate_each(self, requests: bytes):
+        """``requests``: ``packed``; yields ``packed`` chunks of ``(index, result)``."""
+        calls = [asyncio.ensure_future(self.engine.generate([r])) for r in unpacked(requests)]
+        async for finished in as_they_finish(calls):
+            yield packed(finished)
 
 
 async def as_they_finish(calls: list):
@@ -147,8 +162,8 @@ class RayEngine:
         try:
             stream = self.actor.generate_each.options(num_returns="streaming",
                                                       _generator_backpressure_num_objects=STREAM_BACKLOG)
-            async for chunk in stream.remote(batch):
-                for index, result in await chunk:
+            async for chunk in stream.remote(packed(batch)):
+                for index, result in unpacked(await chunk):
                     k, j = owner[index]
                     results[k][j] = result
                     missing[k] -= 1

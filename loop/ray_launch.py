@@ -23,6 +23,7 @@ from pathlib import Path
 
 from redline.configfile import ConfigError
 from redline.loop.faults import ATTEMPT_ENV
+from redline.loop.ray_engines import packed, unpacked
 from redline.loop.ray_rollout import MANAGER_ENV, manager_name, relay, relay_each
 
 PLACEMENT_FILE = "placement.json"
@@ -81,10 +82,10 @@ class TrainerRank:
         """One of this rank's engine's methods, called by the rollout manager actor (as ``EngineHost.call``)."""
         return await relay(method, *args)
 
-    async def generate_each(self, requests):
+    async def generate_each(self, requests: bytes):
         """The rollout manager actor's generate calls on this rank's engine (as ``EngineHost.generate_each``)."""
-        async for finished in relay_each(requests):
-            yield finished
+        async for finished in relay_each(unpacked(requests)):
+            yield packed(finished)
 
 
 def run_on_ray(config, config_path=None) -> int:

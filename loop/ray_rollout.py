@@ -59,8 +59,11 @@ class RolloutManagerActor:
         self.shards[rank] = manager
         return manager.skipped_records
 
-    async def generate(self, rank: int):
-        return await self.shards[rank].generate_rollout()
+    async def generate(self, rank: int) -> bytes:
+        """Rank ``rank``'s next batch, ``packed``."""
+        from redline.loop.ray_engines import packed
+
+        return packed(await self.shards[rank].generate_rollout())
 
     def get_groups(self, rank: int, num_groups: int, n_samples_per_prompt: int):
         return self.shards[rank].data_source.get_groups(num_groups, n_samples_per_prompt)
@@ -114,7 +117,9 @@ class RemoteManager:
     async def generate_rollout(self):
         # the actor's engine calls run on this loop, which runs while the rank awaits the batch
         self._loop = asyncio.get_running_loop()
-        return await self.actor.generate.remote(self.rank)
+        from redline.loop.ray_engines import unpacked
+
+        return unpacked(await self.actor.generate.remote(self.rank))
 
     def state_dict(self) -> dict:
         import ray

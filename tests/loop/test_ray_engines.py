@@ -5,12 +5,12 @@ stand-in actor: no Ray runtime needed."""
 import asyncio
 
 import pytest
-from redline.loop.ray_engines import RayEngine
+from redline.loop.ray_engines import RayEngine, packed, unpacked
 
 
 class StandInActor:
     """``actor.generate_each.options(num_returns="streaming").remote(requests)`` as Ray's handle has it: an async
-    iterator of awaitables, each a chunk of ``(index, answer)``. A request ``"x@s"`` finishes in chunk ``s``
+    iterator of awaitables, each a ``packed`` chunk of ``(index, answer)``. A request ``"x@s"`` finishes in chunk ``s``
     (default 0); ``fail_after``: the stream raises after that many chunks."""
 
     def __init__(self, fail_after: int | None = None):
@@ -22,6 +22,7 @@ class StandInActor:
         return self
 
     def remote(self, requests):
+        requests = unpacked(requests)
         self.calls.append(list(requests))
         return self._stream(requests)
 
@@ -31,7 +32,7 @@ class StandInActor:
             await asyncio.sleep(0)
             if chunk == self.fail_after:
                 raise RuntimeError("engine gone")
-            yield asyncio.sleep(0, [(i, f"answer to {r}") for i, r in enumerate(requests) if steps[i] == step])
+            yield asyncio.sleep(0, packed([(i, f"answer to {r}") for i, r in enumerate(requests) if steps[i] == step]))
 
 
 def test_one_turns_generate_calls_are_one_actor_call_and_each_caller_gets_its_answers():
