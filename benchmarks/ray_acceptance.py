@@ -2,6 +2,7 @@
 
     python3 benchmarks/ray_acceptance.py OUTDIR [--engines embedded,embedded-process,sglang,disaggregated]
                                                 [--num-rollout 30] [--repeats 3] [--cpus 0-7]
+                                                [--rollout-manager actor|rank]
 
 For each engine (colocated on the one GPU: the in-process embedded engine, the embedded engine in its own process,
 SGLang when it is installed; and with two GPUs visible ``disaggregated``: the trainer on GPU 0, an embedded engine
@@ -21,7 +22,8 @@ only when each placement's repeats agree within the target, or when every pairin
 it (``verdict``); otherwise the overhead is reported as not resolved, with the repeats' spread (``summary.json``:
 ``repeat_spread``). The 50M step is bound by the host, and host speed is what varies between runs: ``--cpus``
 (taskset's list syntax) pins every run, Ray's runtime and workers included, to the same cores (a local Ray runtime
-sizes itself, and so its ranks' torch threads, to them).
+sizes itself, and so its ranks' torch threads, to them). ``--rollout-manager`` is passed to the runs under Ray:
+where each rank's rollout manager runs (default: the actor).
 
 ``--config`` takes another TOML; the CPU test (``tests/loop/test_ray_acceptance.py``) runs ``examples/quickstart.toml
 --engines embedded --num-rollout 4 --repeats 2`` (steps 3 and 4 measured).
@@ -169,6 +171,8 @@ def main() -> int:
     parser.add_argument("--num-rollout", type=int, default=None, help="RL steps per run (default: the config's)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every engine and placement, alternating")
     parser.add_argument("--cpus", default=None, help="pin every run to these CPUs (taskset list: 0-7)")
+    parser.add_argument("--rollout-manager", choices=("actor", "rank"), default="actor",
+                        help="the runs under Ray: where each rank's rollout manager runs")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -192,7 +196,9 @@ def main() -> int:
     repeats: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):
         for i, engine in enumerate(engines):
-            placements = {**PLACEMENTS, **(FAULT_TOLERANCE_RUNS if engine in WATCHED_ENGINES else {})}
+            runs = {**PLACEMENTS, **(FAULT_TOLERANCE_RUNS if engine in WATCHED_ENGINES else {})}
+            manager = ["--rollout-manager", args.rollout_manager]
+            placements = {name: flags + (manager if "--ray-address" in flags else []) for name, flags in runs.items()}
             order = list(placements) if (i + repeat) % 2 == 0 else list(reversed(placements))
             for placement in order:
                 name = f"{engine}-{placement}"
@@ -210,7 +216,8 @@ def main() -> int:
     # a rank's torch threads and niceness under Ray (placement.json) against a process of its own's
     ranks = {name: json.loads((args.out / name / "placement.json").read_text())[0]["attempts"][0]
              for name in results if (args.out / name / "placement.json").exists()}
-    summary = {"config": args.config, "cpus": sorted(cpus) if cpus else None, "runs": results, "overhead": {},
+    summary = {"config": args.config, "cpus": sorted(cpus) if cpus else None,
+               "rollout_manager": args.rollout_manager, "runs": results, "overhead": {},
                "torch_threads_without_ray": threads, "ray_rank": ranks}
     for engine in engines:
         base, ray = results[f"{engine}-no-ray"], results[f"{engine}-ray"]
@@ -227,7 +234,8 @@ def main() -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out / "summary.md").write_text(
         f"# Ray's overhead on the RL step ({args.config})\n\nMedians over the steps after "
-        f"step {SKIPPED_STEPS}, then over {args.repeats} repeat(s) of each run. CPUs: "
+        f"step {SKIPPED_STEPS}, then over {args.repeats} repeat(s) of each run. Under Ray the rollout manager runs "
+        f"in {'an actor' if args.rollout_manager == 'actor' else 'each rank'} (--rollout-manager). CPUs: "
         f"{args.cpus + ' (every run pinned)' if cpus else 'all, unpinned'}. torch threads without Ray: "
         f"{threads}; under Ray (rank 0: threads, niceness): "
         + (", ".join(f"{n} {r.get('torch_threads')}, {r.get('niceness')}" for n, r in ranks.items()) or "–")

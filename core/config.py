@@ -53,6 +53,11 @@ class ParallelConfig:
     ray_address: str | None = option(None, "place the run on Ray: auto (the running cluster), local (start a Ray "
                                      "runtime on this machine) or ADDRESS; trainer ranks become Ray actors in "
                                      "one placement group (redline.loop.ray_launch)")
+    rollout_manager: Literal["actor", "rank"] = option(
+        "actor", "--ray-address: where a generating rank's rollout manager (data, rewards, filters) runs: actor (one "
+        "Ray actor of the run holds every rank's, beside rank 0, and reaches each rank's engine through the rank) "
+        "or rank (in the rank's process, as without Ray: a colocated engine's answers reach it without crossing "
+        "processes; benchmarks/results/loop/ray-cpu/README.md)")
     actor_num_nodes: int = option(1, "--ray-address: nodes of trainer ranks")
     actor_num_gpus_per_node: int = option(1, "--ray-address: trainer ranks per node, one GPU each (a CPU bundle "
                                           "on a machine without GPUs)")

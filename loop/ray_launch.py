@@ -45,7 +45,8 @@ def check_ray_flags(config) -> None:
                               "trainer, and under --ray-address the rollout manager is an actor of its own; use "
                               "--async-rollout one-step, or run without --ray-address")
         return
-    for flag, value in (("--actor-num-nodes", p.actor_num_nodes != 1),
+    for flag, value in (("--rollout-manager", p.rollout_manager != "actor"),
+                        ("--actor-num-nodes", p.actor_num_nodes != 1),
                         ("--actor-num-gpus-per-node", p.actor_num_gpus_per_node != 1),
                         ("--auto-resume", c.auto_resume)):
         if value:
@@ -200,7 +201,7 @@ def _attempts(ray, config, config_path, group, slots, world, placement: list[dic
 
     restarts = config.checkpoint.max_restarts if config.checkpoint.auto_resume else 0
     for attempt in range(restarts + 1):
-        actors = _start_ranks(ray, group, slots, world, attempt, seats)
+        actors = _start_ranks(ray, group, slots, world, attempt, seats, config.parallel.rollout_manager)
         try:
             for row, seen in zip(placement, ray.get([a.where.remote() for a in actors])):
                 row.setdefault("attempts", []).append(seen)
@@ -218,17 +219,19 @@ def _attempts(ray, config, config_path, group, slots, world, placement: list[dic
     raise AssertionError("unreachable: the last attempt returns")
 
 
-def _start_ranks(ray, group, slots, world: int, attempt: int, seats) -> list:
+def _start_ranks(ray, group, slots, world: int, attempt: int, seats, manager_placement: str) -> list:
     """One ``TrainerRank`` per slot of the first ``world``, in its seat (``_seats``)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from redline.loop import ray_placement
 
     actor = ray.remote(max_restarts=0)(TrainerRank)
     inherited = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    # --rollout-manager rank: no actor named, each rank builds its manager itself (redline.loop.ray_rollout.on_ray)
+    manager = {MANAGER_ENV: manager_name(attempt)} if manager_placement == "actor" else {}
     return [actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=slot.bundle_index)).remote(
         {**inherited, **ray_placement.rank_env(slots, rank, world), **engines_env, ATTEMPT_ENV: str(attempt),
-         MANAGER_ENV: manager_name(attempt)})
+         **manager})
         for rank, (slot, (options, engines_env)) in enumerate(zip(slots[:world], seats))]
 
 

@@ -67,6 +67,15 @@ def test_quickstart_on_a_local_ray_runtime_takes_the_single_process_steps(tmp_pa
     assert [row["rank"] for row in placement] == [0] and placement[0]["gpu"] is None
 
 
+def test_a_rollout_manager_in_the_rank_takes_the_same_steps_without_an_actor(tmp_path):
+    records, console, _ = train(tmp_path / "ray", "--num-rollout", "3", "--ray-address", "local",
+                                "--rollout-manager", "rank")
+    single, _, _ = train(tmp_path / "single", "--num-rollout", "3")
+    assert "ray: rank 0 on node" in console and "rollout manager actor" not in console
+    assert_same_records(single, records)
+    assert [r["rollout/samples"] for r in records[1:]] == [200.0] * 3
+
+
 def test_two_node_cluster_places_a_rank_and_its_engine_on_each_node(tmp_path):
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors

@@ -59,6 +59,7 @@ def test_a_malformed_fault_is_refused_by_name(monkeypatch, bad):
 
 
 @pytest.mark.parametrize("flags, flag", [({"auto_resume": True}, "--auto-resume"),
+                                         ({"rollout_manager": "rank"}, "--rollout-manager"),
                                          ({"actor_num_nodes": 2}, "--actor-num-nodes"),
                                          ({"actor_num_gpus_per_node": 2}, "--actor-num-gpus-per-node")])
 def test_ray_only_flags_need_a_ray_address(flags, flag):
