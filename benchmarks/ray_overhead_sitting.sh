@@ -11,6 +11,8 @@
 # 2. the in-process embedded engine, 4 alternating repeats of 30 steps with and without Ray (OUT/embedded/);
 #    a line "embedded done" in OUT/timeline.txt when they end;
 # 3. once OUT/sglang-ready exists (the call that installs SGLang makes it): SGLang, 3 repeats (OUT/sglang/).
+# RAY_MANAGER (default rank; actor was measured in results/loop/ray-h200/pinned-b0e127b/) is the runs'
+# --rollout-manager under Ray.
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/ray_overhead_sitting.sh OUT}
 mkdir -p "$OUT"
@@ -37,10 +39,11 @@ RUN_CPUS=${RAY_CPUS:-$RUN_CPUS}
 echo "$SPARE_CPUS" > "$OUT/spare-cpus"
 { echo "runs pinned to CPUs $RUN_CPUS; spare CPUs $SPARE_CPUS"; lscpu -e; lscpu; nvidia-smi; } > "$OUT/machine.txt" 2>&1
 
+MANAGER=${RAY_MANAGER:-rank}
 part 1-embedded 0 python3 benchmarks/ray_acceptance.py "$OUT/embedded" --engines embedded --repeats 4 \
-  --num-rollout 30 --cpus "$RUN_CPUS"
+  --num-rollout 30 --cpus "$RUN_CPUS" --rollout-manager "$MANAGER"
 echo "$(date -u +%T) embedded done" >> "$OUT/timeline.txt"
 while [ ! -e "$OUT/sglang-ready" ]; do sleep 2; done
 part 2-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats 3 --num-rollout 30 \
-  --cpus "$RUN_CPUS"
+  --cpus "$RUN_CPUS" --rollout-manager "$MANAGER"
 echo "$(date -u +%T) done" >> "$OUT/timeline.txt"
