@@ -117,8 +117,8 @@ class RayEngine:
     since the last: an actor call costs about half a millisecond of the caller's time, so 200 of them took 108 ms
     per rollout on the CPU, one batched call 3 ms. An engine that finishes its answers one by one (an SGLang
     server's HTTP responses) would send a chunk each: at most ``STREAM_BACKLOG`` chunks wait unread, and the actor
-    gathers what finishes meanwhile into its next chunk. 200 answers finishing over 200 ms took 98-116 chunks
-    instead of 171-175, and reached the reader as soon (8-10 ms after the last; benchmarks/bench_ray_stream.py,
+    gathers what finishes meanwhile into its next chunk. 200 answers finishing over 200 ms took 122-130 chunks
+    instead of 180-181, and reached the reader as soon (7-8 ms after the last; benchmarks/bench_ray_stream.py,
     results/loop/ray-cpu/stream/). A caller still gets its answer when its own requests end, so the
     manager scores a group as it finishes and a pause aborts only what still runs. Each request keeps its own seed,
     so batching changes no answer."""
