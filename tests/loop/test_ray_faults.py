@@ -1,6 +1,7 @@
 """Faults under ``--ray-address local``, injected with ``REDLINE_FAULT``: a SIGKILLed engine process is restarted
 mid-rollout and the run takes the steps of an undisturbed one; a SIGKILLed trainer is resumed from its checkpoint
-(``--auto-resume``) and ``metrics.jsonl`` holds each step once, the same records as an undisturbed run."""
+(``--auto-resume``) and ``metrics.jsonl`` holds each step once, the same records as an undisturbed run; with the
+rollout manager an actor (the default) and in the rank (``--rollout-manager rank``)."""
 
 import pytest
 
@@ -16,8 +17,10 @@ def undisturbed(tmp_path_factory):
     return records
 
 
-def test_a_killed_engine_is_restarted_and_the_step_keeps_its_batch(tmp_path, undisturbed):
+@pytest.mark.parametrize("manager", ["actor", "rank"])
+def test_a_killed_engine_is_restarted_and_the_step_keeps_its_batch(tmp_path, undisturbed, manager):
     records, console, _ = train(tmp_path, "--num-rollout", "4", "--ray-address", "local", "--embedded-engine-process",
+                                "--rollout-manager", manager,
                                 "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "10",
                                 env={"REDLINE_FAULT": "kill-engine:0@rollout:1"})
     assert "fault tolerance: health checks every 0.5 s" in console
@@ -30,8 +33,10 @@ def test_a_killed_engine_is_restarted_and_the_step_keeps_its_batch(tmp_path, und
     assert_same_records(undisturbed, without_fault_counters(records))
 
 
-def test_a_killed_trainer_resumes_from_its_checkpoint_with_each_step_logged_once(tmp_path, undisturbed):
+@pytest.mark.parametrize("manager", ["actor", "rank"])
+def test_a_killed_trainer_resumes_from_its_checkpoint_with_each_step_logged_once(tmp_path, undisturbed, manager):
     records, console, _ = train(tmp_path, "--num-rollout", "4", "--ray-address", "local", "--auto-resume",
+                                "--rollout-manager", manager,
                                 "--save-interval", "2", "--no-use-fault-tolerance",
                                 env={"REDLINE_FAULT": "kill-trainer:0@step:3"})  # after step 3, checkpoint at 2
     assert f"trainer rank died; restart 1/3 from {tmp_path / 'checkpoints' / 'rollout_1'}" in console
