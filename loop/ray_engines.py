@@ -27,9 +27,6 @@ import pickle
 import signal
 
 ENGINES_ENV = "REDLINE_RAY_ENGINES"
-# chunks of a generate_each stream that may wait unread before the actor holds its next one (Ray's generator
-# backpressure), gathering the answers that finish meanwhile into it
-STREAM_BACKLOG = 1
 
 
 def packed(value) -> bytes:
@@ -115,13 +112,12 @@ class RayEngine:
     ``generate`` calls made in one turn of the event loop (the loop makes one per sample, a rollout's at once) go to
     the actor as one call (``generate_each``), whose answers stream back as they finish, a chunk of those finished
     since the last: an actor call costs about half a millisecond of the caller's time, so 200 of them took 108 ms
-    per rollout on the CPU, one batched call 3 ms. An engine that finishes its answers one by one (an SGLang
-    server's HTTP responses) would send a chunk each: at most ``STREAM_BACKLOG`` chunks wait unread, and the actor
-    gathers what finishes meanwhile into its next chunk. 200 answers finishing over 200 ms took 122-130 chunks
-    instead of 180-181, and reached the reader as soon (7-8 ms after the last; benchmarks/bench_ray_stream.py,
-    results/loop/ray-cpu/stream/). A caller still gets its answer when its own requests end, so the
-    manager scores a group as it finishes and a pause aborts only what still runs. Each request keeps its own seed,
-    so batching changes no answer."""
+    per rollout on the CPU, one batched call 3 ms. Answers that finish one by one go back a chunk each; holding
+    chunks back while the reader is behind (Ray's generator backpressure) cut their number by 28-32 % and gained
+    no time (7-8 ms after the last answer either way, results/loop/ray-cpu/stream/), so the stream sends each as
+    it comes. A caller still gets its answer when its own requests end, so the manager scores a group as it
+    finishes and a pause aborts only what still runs. Each request keeps its own seed, so batching changes no
+    answer."""
 
     weight_group_size = 1  # as the engine process it hosts: one device in the weight-update group
     joins_checksum_comparison = True
@@ -160,9 +156,7 @@ class RayEngine:
             if not missing[k]:
                 answer.set_result([])
         try:
-            stream = self.actor.generate_each.options(num_returns="streaming",
-                                                      _generator_backpressure_num_objects=STREAM_BACKLOG)
-            async for chunk in stream.remote(packed(batch)):
+            async for chunk in self.actor.generate_each.options(num_returns="streaming").remote(packed(batch)):
                 for index, result in unpacked(await chunk):
                     k, j = owner[index]
                     results[k][j] = result

@@ -163,9 +163,7 @@ async def relay_each(requests):
     """``RayEngine.generate``'s batch (``TrainerRank.generate_each``): each request a generate call of its own on
     this rank's engine, as the loop makes them without Ray; yields the answers as they finish. The calls and their
     answers stay on the rank's loop, which hands this one a chunk at a time: a hop between the threads per request
-    and per answer cost the generating thread 20 to 40 ms of a 200-sample rollout on the CPU (the quickstart). A chunk
-    holds every answer that finished since the last one left (``RayEngine``: the stream waits while its reader is
-    behind)."""
+    and per answer cost the generating thread 20 to 40 ms of a 200-sample rollout on the CPU (the quickstart)."""
     from redline.loop.ray_engines import as_they_finish
 
     engine = _served["manager"].engine
@@ -187,8 +185,6 @@ async def relay_each(requests):
                 get.cancel()
                 running.result()  # the engine's error
             finished = await get  # a finished fan-out's last chunks are on their way (queued before it ended)
-            while not chunks.empty():  # what finished while the last chunk waited to be read goes as one
-                finished += chunks.get_nowait()
             left -= len(finished)
             yield finished
     finally:

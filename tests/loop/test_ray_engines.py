@@ -18,7 +18,7 @@ class StandInActor:
         self.generate_each = self
 
     def options(self, **options):
-        assert options == {"num_returns": "streaming", "_generator_backpressure_num_objects": 1}
+        assert options == {"num_returns": "streaming"}
         return self
 
     def remote(self, requests):
