@@ -1,7 +1,9 @@
 """Faults under ``--ray-address local``, injected with ``REDLINE_FAULT``: a SIGKILLed engine process is restarted
 mid-rollout and the run takes the steps of an undisturbed one; a SIGKILLed trainer is resumed from its checkpoint
-(``--auto-resume``) and ``metrics.jsonl`` holds each step once, the same records as an undisturbed run; with the
-rollout manager an actor (the default) and in the rank (``--rollout-manager rank``)."""
+(``--auto-resume``) and ``metrics.jsonl`` holds each step once, the same records as an undisturbed run. The rollout
+manager is the default actor. In the rank (``--rollout-manager rank``) it calls the engines and checkpoints its state
+as a run without Ray does: engine faults there are ``tests/rollout/test_fault_tolerance.py``'s, and a resume from
+the rank's own checkpoint is every ``--load`` test's (``test_ray_launch`` runs that placement)"""
 
 import pytest
 
@@ -17,10 +19,8 @@ def undisturbed(tmp_path_factory):
     return records
 
 
-@pytest.mark.parametrize("manager", ["actor", "rank"])
-def test_a_killed_engine_is_restarted_and_the_step_keeps_its_batch(tmp_path, undisturbed, manager):
+def test_a_killed_engine_is_restarted_and_the_step_keeps_its_batch(tmp_path, undisturbed):
     records, console, _ = train(tmp_path, "--num-rollout", "4", "--ray-address", "local", "--embedded-engine-process",
-                                "--rollout-manager", manager,
                                 "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "10",
                                 env={"REDLINE_FAULT": "kill-engine:0@rollout:1"})
     assert "fault tolerance: health checks every 0.5 s" in console
@@ -33,10 +33,8 @@ def test_a_killed_engine_is_restarted_and_the_step_keeps_its_batch(tmp_path, und
     assert_same_records(undisturbed, without_fault_counters(records))
 
 
-@pytest.mark.parametrize("manager", ["actor", "rank"])
-def test_a_killed_trainer_resumes_from_its_checkpoint_with_each_step_logged_once(tmp_path, undisturbed, manager):
+def test_a_killed_trainer_resumes_from_its_checkpoint_with_each_step_logged_once(tmp_path, undisturbed):
     records, console, _ = train(tmp_path, "--num-rollout", "4", "--ray-address", "local", "--auto-resume",
-                                "--rollout-manager", manager,
                                 "--save-interval", "2", "--no-use-fault-tolerance",
                                 env={"REDLINE_FAULT": "kill-trainer:0@step:3"})  # after step 3, checkpoint at 2
     assert f"trainer rank died; restart 1/3 from {tmp_path / 'checkpoints' / 'rollout_1'}" in console

@@ -51,26 +51,34 @@ def saved_data_position(out):
     return mine["rollout"]
 
 
-def test_quickstart_on_a_local_ray_runtime_takes_the_single_process_steps(tmp_path):
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The quickstart's 3 steps without Ray (checkpointed after the last): (records, output folder)."""
+    out = tmp_path_factory.mktemp("single")
+    records, _, _ = train(out, "--num-rollout", "3", "--save-interval", "3")
+    return records, out
+
+
+def test_quickstart_on_a_local_ray_runtime_takes_the_single_process_steps(tmp_path, single_process):
     records, console, _ = train(tmp_path / "ray", "--num-rollout", "3", "--save-interval", "3", "--ray-address",
                                 "local")
-    single, _, _ = train(tmp_path / "single", "--num-rollout", "3", "--save-interval", "3")
+    single, single_out = single_process
     assert "ray: rank 0 on node" in console and "model " in console  # the rank's lines reach the driver
     assert "ray: data-parallel rank 0's rollouts from the rollout manager actor" in console
     assert_same_records(single, records)
     assert [r["rollout/samples"] for r in records[1:]] == [200.0] * 3  # 25 prompts x 8 samples, every step
     # the checkpoint keeps the data position the manager actor reached: the one of the run without Ray
     position = saved_data_position(tmp_path / "ray")
-    assert position == saved_data_position(tmp_path / "single")
+    assert position == saved_data_position(single_out)
     assert position["data_source"]["position"] >= 3 * 25  # past the three rollouts' prompts
     placement = json.loads((tmp_path / "ray" / "placement.json").read_text())
     assert [row["rank"] for row in placement] == [0] and placement[0]["gpu"] is None
 
 
-def test_a_rollout_manager_in_the_rank_takes_the_same_steps_without_an_actor(tmp_path):
+def test_a_rollout_manager_in_the_rank_takes_the_same_steps_without_an_actor(tmp_path, single_process):
     records, console, _ = train(tmp_path / "ray", "--num-rollout", "3", "--ray-address", "local",
                                 "--rollout-manager", "rank")
-    single, _, _ = train(tmp_path / "single", "--num-rollout", "3")
+    single, _ = single_process
     assert "ray: rank 0 on node" in console and "rollout manager actor" not in console
     assert_same_records(single, records)
     assert [r["rollout/samples"] for r in records[1:]] == [200.0] * 3
