@@ -11,8 +11,8 @@
 # e2e-sitting.tgz (every result, config, log and metrics file under 16 MiB). Order: the headline ratios
 # first (redline-sglang against both TRL paths), the embedded engine last.
 #
-# Before the first call: redline installed (pip install --no-deps --no-build-isolation -e .) and the sglang and
-# trl bundles installed, the vllm bundle for trl-vllm (benchmarks/stage_peers.py; benchmarks/README.md). A
+# Before the first call: redline installed (python3 -m pip install --no-deps --no-build-isolation -e .), the
+# sglang and trl bundles installed, the vllm bundle for trl-vllm (benchmarks/stage_peers.py; benchmarks/README.md). A
 # trainer that cannot run is recorded as skipped with its reason. Keep the working tree as it is while it runs:
 # every trainer process imports redline and the benchmark from it.
 #
