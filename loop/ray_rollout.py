@@ -9,12 +9,16 @@ through ``RemoteManager``, which has the interface the loop uses of a ``RolloutM
 ``engine``, ``close``), so the step and the checkpoints are the same code with and without Ray.
 
 The engines stay where the rank placed them (in its process, its child process, an SGLang server, the engine
-actors of ``--no-colocate``): the actor reaches its shard's engine through the rank's actor
-(``TrainerRank.call`` → ``relay``), which runs each call on the event loop the rank is awaiting its batch on, so
-the rank's fault tolerance, injected faults and engine group see the calls they see without Ray. The actor batches
-the generate calls of one event-loop turn into one actor call (``RayEngine``); the rank makes each request a
-generate call of its own, as the loop makes them without Ray (an ``EngineGroup`` deals them out in turn), and
-streams the answers back as they finish (``relay_each``).
+actors of ``--no-colocate``). SGLang servers the actor calls itself, over HTTP, as slime's rollout manager does:
+the rank's engine names its workers and router (``SGLangEngine.endpoints``) and the actor generates on a client of
+its own (``use_engine_directly``), with the weight version the rank last pushed; the rank's event loop takes no
+part in the rollout. Every other engine the actor reaches through the rank's actor (``TrainerRank.call`` →
+``relay``), which runs each call on the event loop the rank is awaiting its batch on, so the rank's fault
+tolerance, injected faults and engine group see the calls they see without Ray. The actor batches the generate
+calls of one event-loop turn into one actor call (``RayEngine``); the rank makes each request a generate call of
+its own, as the loop makes them without Ray (an ``EngineGroup`` deals them out in turn), and streams the answers
+back as they finish (``relay_each``). That relay is most of what Ray adds to a rollout: on the CPU quickstart the
+hops in and out of the rank took 12.8 ms of a 172 ms step (``benchmarks/results/loop/ray-cpu/``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class RolloutManagerActor:
     def __init__(self, config):
         self.config = config
         self.shards: dict = {}
+        self.direct: dict = {}  # rank -> this actor's client of the rank's SGLang servers
 
     def register(self, rank: int, world: int, trainer) -> int:
         """Build data-parallel rank ``rank``'s manager of ``world``, generating through ``trainer`` (the rank's
@@ -59,10 +64,21 @@ class RolloutManagerActor:
         self.shards[rank] = manager
         return manager.skipped_records
 
-    async def generate(self, rank: int) -> bytes:
-        """Rank ``rank``'s next batch, ``packed``."""
+    def use_engine_directly(self, rank: int, endpoints: dict) -> None:
+        """Rank ``rank``'s manager generates on the rank's SGLang servers itself: a client of ``endpoints``
+        (``SGLangEngine.endpoints``; the servers stay the rank's)."""
+        from redline.rollout.sglang.engine import SGLangEngine
+
+        self.direct[rank] = self.shards[rank].engine = SGLangEngine(**endpoints)
+
+    async def generate(self, rank: int, weight_version: str | None = None) -> bytes:
+        """Rank ``rank``'s next batch, ``packed``. ``weight_version``: what the rank last pushed, for the answers of
+        servers that report none (as the rank's own client fills them in)."""
         from redline.loop.ray_engines import packed
 
+        direct = self.direct.get(rank)
+        if direct is not None and weight_version is not None:
+            direct.weight_version = weight_version
         return packed(await self.shards[rank].generate_rollout())
 
     def get_groups(self, rank: int, num_groups: int, n_samples_per_prompt: int):
@@ -76,6 +92,9 @@ class RolloutManagerActor:
 
     async def close(self, rank: int) -> None:
         await self.shards[rank].close()
+        direct = self.direct.pop(rank, None)
+        if direct is not None:
+            await direct.shutdown()  # its HTTP sessions only: it owns no server
 
     def where(self) -> dict:
         import ray
@@ -98,13 +117,14 @@ class RemoteDataSource:
 
 class RemoteManager:
     """This rank's shard of the rollout manager actor, with the ``RolloutManager`` interface the loop uses.
-    ``engine``: the rank's engine, which answers the actor's engine calls (``relay``)."""
+    ``engine``: the rank's engine, which answers the actor's engine calls (``relay``), or, SGLang servers, which the
+    actor calls itself."""
 
     def __init__(self, actor, rank: int, world: int):
         import ray
 
         self.actor, self.rank = actor, rank
-        self.engine = None
+        self._engine = None
         self.data_source = RemoteDataSource(actor, rank)
         trainer = ray.get_runtime_context().current_actor
         self.skipped_records = ray.get(actor.register.remote(rank, world, trainer))  # fixed once the file is read
@@ -114,12 +134,32 @@ class RemoteManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         _served["manager"] = self
 
+    @property
+    def engine(self):
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        import ray
+
+        self._engine = engine
+        endpoints = getattr(engine, "endpoints", None)
+        if endpoints is None:
+            return
+        where = endpoints()
+        ray.get(self.actor.use_engine_directly.remote(self.rank, where))
+        servers = len(where["worker_urls"])
+        router = ", through the router" if where["router_url"] else ""
+        print(f"ray: the rollout manager actor generates on data-parallel rank {self.rank}'s SGLang "
+              f"server{'s' if servers > 1 else ''} itself ({servers}{router}), not through the rank", flush=True)
+
     async def generate_rollout(self):
         # the actor's engine calls run on this loop, which runs while the rank awaits the batch
         self._loop = asyncio.get_running_loop()
         from redline.loop.ray_engines import unpacked
 
-        return unpacked(await self.actor.generate.remote(self.rank))
+        version = getattr(self._engine, "weight_version", None)
+        return unpacked(await self.actor.generate.remote(self.rank, None if version is None else str(version)))
 
     def state_dict(self) -> dict:
         import ray

@@ -72,6 +72,13 @@ class SGLangEngine:
 
     joins_checksum_comparison = False
 
+    def endpoints(self) -> dict:
+        """What another process needs to generate on these servers itself: ``SGLangEngine(**endpoints())`` there
+        is a client of the same workers and router, owning no process (the rollout manager actor under Ray,
+        ``redline.loop.ray_rollout``)."""
+        return {"worker_urls": [w.url for w in self.workers], "router_url": self.router.url if self.router else None,
+                "tp_size": self.tp_size}
+
     @classmethod
     def launch(cls, model_path, *, num_engines: int = 1, tp_size: int = 1, sglang_args: list[str] = (),
                use_router: bool | None = None, base_gpu_ids: list[int] | None = None, log_dir="logs",

@@ -146,3 +146,53 @@ def test_two_node_cluster_runs_a_disaggregated_engine_on_its_own_bundle_on_the_o
     assert shown[4] == trainer["node_ip"]
     assert [r["rollout/samples"] for r in records[1:]] == [200.0] * 3
     assert_same_records(single, records)
+
+
+
+def test_the_rollout_manager_actor_generates_on_sglang_servers_itself(tmp_path):
+    """Given SGLang servers (the stand-in here), the actor is their client: it generates a whole batch with no call
+    through the rank, and its samples carry the weight version the rank last pushed (the stand-in reports none).
+    A rank-like actor drives it, since ``redline train`` refuses SGLang on a machine without CUDA."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'redline[ray]')")
+    pytest.importorskip("aiohttp", reason="the SGLang client needs aiohttp")
+    from redline.configfile import apply_overrides
+    from redline.loop.builtin import materialize
+    from tests.rollout.fake_sglang import fake_sglang_process
+
+    from .test_sglang_disaggregated import received_paths
+    from .test_train import small_config
+
+    class Rank:  # what the manager actor knows of a trainer rank: its relay, which must stay unused
+        relayed = 0
+
+        async def rollout(self, config, url):
+            from redline.loop.data_parallel import SINGLE_PROCESS
+            from redline.loop.ray_rollout import MANAGER_ENV, remote_manager
+            from redline.rollout.sglang.engine import SGLangEngine
+
+            os.environ[MANAGER_ENV] = "redline-test-manager"
+            manager = remote_manager(config, SINGLE_PROCESS)
+            manager.engine = SGLangEngine([url], weight_version="7")
+            batch = await manager.generate_rollout()
+            await manager.close()
+            return [s.weight_versions for group in batch.groups for s in group], self.relayed
+
+        async def call(self, method, *args):
+            self.relayed += 1
+
+        async def generate_each(self, requests):
+            self.relayed += 1
+            yield b""
+
+    with fake_sglang_process() as url:
+        config = small_config(tmp_path, sft_steps="0", rollout_engine="sglang", sglang_server_urls=url)
+        config = apply_overrides(config, materialize(config, tmp_path / "builtin"))
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        try:
+            versions, relayed = ray.get(ray.remote(Rank).remote().rollout.remote(config, url), timeout=120)
+        finally:
+            ray.shutdown()
+        generated = received_paths(url).count("/generate")
+    assert relayed == 0
+    assert len(versions) == 5 * 4 and generated == 5 * 4  # rollout_batch_size 5 x 4 samples, each one request
+    assert all(v == ["7"] for v in versions)
