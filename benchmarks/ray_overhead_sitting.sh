@@ -11,8 +11,9 @@
 # 2. the in-process embedded engine, 4 alternating repeats of 30 steps with and without Ray (OUT/embedded/);
 #    a line "embedded done" in OUT/timeline.txt when they end;
 # 3. once OUT/sglang-ready exists (the call that installs SGLang makes it): SGLang, 3 repeats (OUT/sglang/).
-# RAY_MANAGER (default rank; actor was measured in results/loop/ray-h200/pinned-b0e127b/) is the runs'
-# --rollout-manager under Ray.
+# --rollout-manager under Ray: RAY_MANAGER for the embedded runs (default rank; the actor, which relays every
+# engine call through the rank, was measured in results/loop/ray-h200/pinned-b0e127b/), RAY_MANAGER_SGLANG for the
+# SGLang runs (default actor: since 4e8ed67 it is the servers' HTTP client itself, with no relay; unmeasured).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/ray_overhead_sitting.sh OUT}
 mkdir -p "$OUT"
@@ -45,5 +46,5 @@ part 1-embedded 0 python3 benchmarks/ray_acceptance.py "$OUT/embedded" --engines
 echo "$(date -u +%T) embedded done" >> "$OUT/timeline.txt"
 while [ ! -e "$OUT/sglang-ready" ]; do sleep 2; done
 part 2-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats 3 --num-rollout 30 \
-  --cpus "$RUN_CPUS" --rollout-manager "$MANAGER"
+  --cpus "$RUN_CPUS" --rollout-manager "${RAY_MANAGER_SGLANG:-actor}"
 echo "$(date -u +%T) done" >> "$OUT/timeline.txt"
