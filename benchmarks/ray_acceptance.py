@@ -163,6 +163,23 @@ def phase_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def placements_of(engine: str) -> dict[str, list[str]]:
+    """The runs of ``engine``: without and under Ray, and for engines under fault tolerance the two mixed."""
+    return {**PLACEMENTS, **(FAULT_TOLERANCE_RUNS if engine in WATCHED_ENGINES else {})}
+
+
+def run_order(engines: list[str], placements, repeats: int) -> list[tuple[int, str, str]]:
+    """``(repeat, engine, placement)`` in the order they run (``placements(engine)``: its runs' names, in order).
+    Each engine's runs go in reverse order every other repeat, and neighbouring engines start from opposite ends, so
+    a drift of the host's speed during the sitting falls on both sides of every comparison."""
+    order = []
+    for repeat in range(repeats):
+        for i, engine in enumerate(engines):
+            names = list(placements(engine))
+            order += [(repeat, engine, name) for name in (names if (i + repeat) % 2 == 0 else names[::-1])]
+    return order
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -194,21 +211,17 @@ def main() -> int:
         print(f"{gpus or 0} GPU(s) visible: the disaggregated runs (2 GPUs) are skipped")
         engines.remove("disaggregated")
     repeats: dict[str, list[dict]] = {}
-    for repeat in range(args.repeats):
-        for i, engine in enumerate(engines):
-            runs = {**PLACEMENTS, **(FAULT_TOLERANCE_RUNS if engine in WATCHED_ENGINES else {})}
-            manager = ["--rollout-manager", args.rollout_manager]
-            placements = {name: flags + (manager if "--ray-address" in flags else []) for name, flags in runs.items()}
-            order = list(placements) if (i + repeat) % 2 == 0 else list(reversed(placements))
-            for placement in order:
-                name = f"{engine}-{placement}"
-                folder = name if repeat == 0 else f"{name}-{repeat + 1}"
-                print(f"running {folder} ...", flush=True)
-                result = {"engine": engine, "placement": placement,
-                          **run(args.out, folder, args.config, [*ENGINES[engine], *placements[placement], *extra],
-                                cpus)}
-                repeats.setdefault(name, []).append(result)
-                print(f"  {result}", flush=True)
+    manager = ["--rollout-manager", args.rollout_manager]
+    for repeat, engine, placement in run_order(engines, placements_of, args.repeats):
+        flags = placements_of(engine)[placement]
+        name = f"{engine}-{placement}"
+        folder = name if repeat == 0 else f"{name}-{repeat + 1}"
+        print(f"running {folder} ...", flush=True)
+        result = {"engine": engine, "placement": placement,
+                  **run(args.out, folder, args.config,
+                        [*ENGINES[engine], *flags, *(manager if "--ray-address" in flags else []), *extra], cpus)}
+        repeats.setdefault(name, []).append(result)
+        print(f"  {result}", flush=True)
     results = {name: over_repeats(runs) for name, runs in repeats.items()}
     rows = [("| engine | no Ray: median step (s) | Ray: median step (s) | Ray overhead | eval reward no Ray / Ray | "
              "wall s no Ray / Ray | exit codes | repeats' steps no Ray / Ray (s) |"),
