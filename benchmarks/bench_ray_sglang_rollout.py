@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     from redline.config import RunConfig
     from redline.env_report import software, source_revision
     from redline.loop.builtin import materialize
+    from redline.loop.ray_launch import local_runtime
     from tests.rollout.fake_sglang import fake_sglang_process
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         config = apply_overrides(config, {"output_dir": scratch, "rollout_engine": "sglang",
                                           "sglang_server_urls": url})
         config = apply_overrides(config, materialize(config, Path(scratch) / "builtin"))
-        ray.init(include_dashboard=False, logging_level="WARNING")
+        ray.init(include_dashboard=False, logging_level="WARNING", **local_runtime(config))  # as --ray-address local
         try:
             for repeat in range(args.repeats):
                 for mode in MODES:

@@ -101,7 +101,7 @@ def run_on_ray(config, config_path=None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if started_here:
         ray.init(address=address, include_dashboard=False, logging_level="WARNING",
-                 **(_local_runtime(config) if address == "local" else {}))
+                 **(local_runtime(config) if address == "local" else {}))
     group = None
     try:
         from redline.loop import ray_placement
@@ -172,7 +172,7 @@ def _shares_bundle(config) -> bool:
     return config.parallel.colocate and config.rollout.embedded_engine_process and not _sglang(config)
 
 
-def _local_runtime(config) -> dict:
+def local_runtime(config) -> dict:
     """``ray.init`` arguments of the runtime ``local`` starts: the CPUs this process may use (``usable_cpus``), at
     least one per bundle, so the placement group fits on a CPU machine; and the ranks at the driver's priority. Ray
     starts its workers at niceness 15 (``worker_niceness``), below its own daemons and every other process of the
