@@ -1,9 +1,9 @@
 """``--no-colocate`` under data parallelism (gloo on the CPU): rank 0's engine processes generate each whole batch,
-whose groups are dealt to the DP ranks (group k to DP rank k mod DP); only DP rank 0's group pushes. Whole runs at
-DP=2 and DP=2 × TP=2 + SP take the single-process ``--no-colocate`` run's steps (same rewards and evals, the rest
-within 1e-3), the engine samples with the weights the trainer holds after every push (each push's bucket checksums
-compared on both sides), and a resume continues the same trajectory; so does a DP=2 ``--async-rollout one-step`` run,
-with the engines' clock rank 0's. A rollout that raises on rank 0 (also one generated ahead under one-step,
+whose groups are dealt to the DP ranks (group k to DP rank k mod DP); only DP rank 0's group pushes. A whole run at
+DP=2 × TP=2 + SP takes the single-process ``--no-colocate`` run's steps (same rewards and evals, the rest within
+1e-3), the engine samples with the weights the trainer holds after every push (each push's bucket checksums compared
+on both sides), and a resume continues the same trajectory; so does a DP=2 ``--async-rollout one-step`` run (plain
+DP=2), with the engines' clock rank 0's. A rollout that raises on rank 0 (also one generated ahead under one-step,
 at a checkpoint) fails every rank at once, naming the error."""
 
 import multiprocessing as mp
@@ -19,7 +19,7 @@ from .test_model_parallel import assert_same_steps, train
 
 CTX = mp.get_context("spawn")
 NO_COLOCATE, ONE_STEP = no_colocate_procs.NO_COLOCATE, no_colocate_procs.ONE_STEP
-LAYOUTS = {"dp2": (2, []), "dp2-tp2-sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
+LAYOUTS = {"dp2-tp2-sp": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])}
 
 
 def test_rank0s_batch_is_dealt_group_by_group_with_its_metrics():
