@@ -140,6 +140,8 @@ class RemoteManager:
 
     @engine.setter
     def engine(self, engine) -> None:
+        """Set by the loop once the rank's engine runs (``build_rollout``). An engine that names its servers
+        (``endpoints``: SGLang) makes the actor their client now, one blocking actor call; any other is relayed."""
         import ray
 
         self._engine = engine

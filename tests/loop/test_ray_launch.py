@@ -148,7 +148,6 @@ def test_two_node_cluster_runs_a_disaggregated_engine_on_its_own_bundle_on_the_o
     assert_same_records(single, records)
 
 
-
 def test_the_rollout_manager_actor_generates_on_sglang_servers_itself(tmp_path):
     """Given SGLang servers (the stand-in here), the actor is their client: it generates a whole batch with no call
     through the rank, and its samples carry the weight version the rank last pushed (the stand-in reports none).
