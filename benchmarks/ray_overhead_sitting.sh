@@ -10,7 +10,10 @@
 # 1. OUT/machine.txt: which CPUs share a core (lscpu), the GPU (nvidia-smi);
 # 2. the in-process embedded engine, 4 alternating repeats of 30 steps with and without Ray (OUT/embedded/);
 #    a line "embedded done" in OUT/timeline.txt when they end;
-# 3. once OUT/sglang-ready exists (the call that installs SGLang makes it): SGLang, 3 repeats (OUT/sglang/).
+# 3. SGLang, 3 repeats (OUT/sglang/): with SGLANG_INSTALL=path/to/install.sh (stage.py's, its parts already in
+#    /tmp/stage/sglang/) the script installs SGLang itself once the embedded runs end; without it, it waits for
+#    OUT/sglang-ready, which whoever installs SGLang makes. Never install while runs start: SGLang's install
+#    replaced tokenizers under a starting run's imports (results/loop/ray-h200/direct-sglang-53aec28/).
 # --rollout-manager under Ray: RAY_MANAGER for the embedded runs (default rank; the actor, which relays every
 # engine call through the rank, was measured in results/loop/ray-h200/pinned-b0e127b/), RAY_MANAGER_SGLANG for the
 # SGLang runs (default actor: since 4e8ed67 it is the servers' HTTP client itself, with no relay; unmeasured).
@@ -44,7 +47,11 @@ MANAGER=${RAY_MANAGER:-rank}
 part 1-embedded 0 python3 benchmarks/ray_acceptance.py "$OUT/embedded" --engines embedded --repeats 4 \
   --num-rollout 30 --cpus "$RUN_CPUS" --rollout-manager "$MANAGER"
 echo "$(date -u +%T) embedded done" >> "$OUT/timeline.txt"
+if [ -n "${SGLANG_INSTALL:-}" ]; then
+  part 2-sglang-install 0 bash "$SGLANG_INSTALL"  # a failed install shows in its log and in the runs' own
+  touch "$OUT/sglang-ready"
+fi
 while [ ! -e "$OUT/sglang-ready" ]; do sleep 2; done
-part 2-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats 3 --num-rollout 30 \
+part 3-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats 3 --num-rollout 30 \
   --cpus "$RUN_CPUS" --rollout-manager "${RAY_MANAGER_SGLANG:-actor}"
 echo "$(date -u +%T) done" >> "$OUT/timeline.txt"
