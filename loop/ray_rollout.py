@@ -55,6 +55,7 @@ class RolloutManagerActor:
         actor handle); returns the prompt file's skipped malformed records."""
         from transformers import AutoTokenizer
 
+        from redline.long_lived import freeze_long_lived
         from redline.loop.ray_engines import RayEngine
         from redline.loop.rollout_setup import build_manager, run_reward
 
@@ -62,6 +63,7 @@ class RolloutManagerActor:
         manager = build_manager(self.config, tokenizer, RayEngine(trainer, {}), run_reward(self.config), rank=rank,
                                 world=world)
         self.shards[rank] = manager
+        freeze_long_lived()  # this process's tokenizer, data and libraries, out of its rollouts' full collections
         return manager.skipped_records
 
     def use_engine_directly(self, rank: int, endpoints: dict) -> None:

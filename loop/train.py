@@ -11,6 +11,7 @@ from rich.console import Console
 
 from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.gpu_telemetry import open_gpu_telemetry
+from redline.long_lived import long_lived_frozen
 from redline.loop import checkpoint, faults, interrupt, run_folder
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
@@ -353,34 +354,35 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         compile_clock = CompileClock().install()
         state.on_phase = compile_clock.tracking(state.on_phase)  # a step's compilations named with their phase
         startup = warm_up(state, console, compile_clock, version=str(start))  # the engine's weights: start's
-    for rollout_id in range(start, config.rollout.num_rollout):
-        step = rollout_id + 1
-        state.profiler.begin_step(step)
-        step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
-        step_metrics.update(state.profiler.end_step(step))
-        if compile_clock:  # what this step still paid in Triton compilation; the first also the start-up's cost
-            paid, stalls = settle_step(compile_clock, step, dp)  # on any rank
-            for stall in stalls:
-                progress.warn(stall)
-            step_metrics.update(paid, **startup)
-            startup = {}
-        if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
-            progress.phase("eval")
-            step_metrics.update(evaluation(state, rollout_id))
-            progress.evaluation(step, step_metrics)
-        log(step, step_metrics)
-        faults.after_step(dp.rank, step)  # REDLINE_FAULT=kill-trainer:RANK@step:S (tests of --auto-resume)
-        progress.step(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
-        for warning in health.observe(step, step_metrics):
-            progress.warn(warning)
-        stopping = dp.any_process(stop.requested)  # every rank stops after the same step
-        if stopping or (config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0):
-            with trainer_resident(state, str(step)):  # --offload-train paused it after the step's push
-                checkpoint.save(out / "checkpoints", rollout_id, state.worker.model,
-                                Path(config.model.hf_checkpoint), *trainer_state(state), dp=dp)
-        if stopping:
-            stop.stopped_at = step
-            break
+    with long_lived_frozen():  # the start-up's objects stay out of the loop's full collections
+        for rollout_id in range(start, config.rollout.num_rollout):
+            step = rollout_id + 1
+            state.profiler.begin_step(step)
+            step_metrics = sft_rollout(state, tokenizer, rollout_id) if sft_only else rl_step(state, rollout_id)
+            step_metrics.update(state.profiler.end_step(step))
+            if compile_clock:  # what this step still paid in Triton compilation; the first also the start-up's cost
+                paid, stalls = settle_step(compile_clock, step, dp)  # on any rank
+                for stall in stalls:
+                    progress.warn(stall)
+                step_metrics.update(paid, **startup)
+                startup = {}
+            if config.checkpoint.eval_interval and step % config.checkpoint.eval_interval == 0:
+                progress.phase("eval")
+                step_metrics.update(evaluation(state, rollout_id))
+                progress.evaluation(step, step_metrics)
+            log(step, step_metrics)
+            faults.after_step(dp.rank, step)  # REDLINE_FAULT=kill-trainer:RANK@step:S (tests of --auto-resume)
+            progress.step(_progress_line(step, config.rollout.num_rollout, step_metrics, sft_only))
+            for warning in health.observe(step, step_metrics):
+                progress.warn(warning)
+            stopping = dp.any_process(stop.requested)  # every rank stops after the same step
+            if stopping or (config.checkpoint.save_interval and step % config.checkpoint.save_interval == 0):
+                with trainer_resident(state, str(step)):  # --offload-train paused it after the step's push
+                    checkpoint.save(out / "checkpoints", rollout_id, state.worker.model,
+                                    Path(config.model.hf_checkpoint), *trainer_state(state), dp=dp)
+            if stopping:
+                stop.stopped_at = step
+                break
     if config.checkpoint.save_hf and stop.stopped_at is None:
         # the engine is done: its memory goes, the trainer's state comes back (--offload-train), on every rank
         state.loop.run_until_complete(state.weight_sync.release())

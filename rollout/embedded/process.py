@@ -62,6 +62,7 @@ def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
     from redline.rollout.embedded import broadcast
     from redline.rollout.embedded.colocated import serve_weights
     from redline.rollout.embedded.engine import EmbeddedEngine
+    from redline.long_lived import freeze_long_lived
     from redline.rollout.embedded.lifeline import die_with_parent
 
     die_with_parent()  # a SIGKILLed launcher must not leave this process holding the model
@@ -80,6 +81,7 @@ def _serve(model_path, engine_kwargs, requests, replies, weight_conn) -> None:
                              name="embedded-engine-weights-accept").start()
         else:
             serve_weights(engine, weight_conn)
+        freeze_long_lived()  # the model and libraries, out of the full collections of the requests' garbage
         _reply(replies, _READY, True, address)
         loop = asyncio.get_running_loop()
         calls = set()

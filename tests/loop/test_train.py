@@ -123,6 +123,26 @@ def test_nan_loss_skips_the_step_and_stops_after_max_bad_steps(tmp_path, monkeyp
     assert [r["train/skipped_steps"] for r in rows] == [1.0]
 
 
+@pytest.mark.parametrize("setting", ["default", "0"])
+def test_the_steps_run_with_the_start_ups_objects_frozen(tmp_path, monkeypatch, setting):
+    import gc
+
+    from redline.loop import train
+
+    def counting(*args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return original(*args, **kwargs)
+
+    original, frozen = train.rl_step, []
+    monkeypatch.setattr(train, "rl_step", counting)
+    if setting == "0":
+        monkeypatch.setenv("REDLINE_GC_FREEZE", "0")
+    assert run(small_config(tmp_path, num_rollout="2", sft_steps="0", eval_interval="100")) == 0
+    assert len(frozen) == 2
+    assert all(count > 10_000 for count in frozen) if setting == "default" else frozen == [0, 0]
+    assert gc.get_freeze_count() == 0  # the run's model and data can be collected once it ends
+
+
 def test_configuration_errors_stop_before_any_model_loads(tmp_path, capsys):
     assert run(small_config(tmp_path, global_batch_size="7")) == 2
     assert "--global-batch-size (7)" in capsys.readouterr().out

@@ -1,0 +1,46 @@
+"""redline.long_lived: the start-up's objects out of the cyclic garbage collector's scans, for a block or for good."""
+
+import gc
+import weakref
+
+import pytest
+
+from redline.long_lived import freeze_long_lived, long_lived_frozen
+
+
+class Node:
+    def __init__(self):
+        self.other = self
+
+
+@pytest.fixture
+def unfrozen():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_the_block_freezes_what_lives_and_unfreezes_after(unfrozen):
+    kept = [Node() for _ in range(10)]
+    with long_lived_frozen():
+        inside = gc.get_freeze_count()
+        assert inside >= len(kept)
+        assert gc.get_count()[2] == 0  # the oldest generation was emptied into the permanent one
+    assert gc.get_freeze_count() == 0
+
+
+def test_garbage_is_collected_before_the_freeze_not_frozen_with_it(unfrozen):
+    garbage = Node()
+    dead = weakref.ref(garbage)
+    del garbage  # a cycle: only the collector frees it
+    freeze_long_lived()
+    assert dead() is None
+    assert gc.get_freeze_count() > 0
+
+
+def test_redline_gc_freeze_0_leaves_the_collector_alone(unfrozen, monkeypatch):
+    monkeypatch.setenv("REDLINE_GC_FREEZE", "0")
+    with long_lived_frozen():
+        assert gc.get_freeze_count() == 0
+    freeze_long_lived()
+    assert gc.get_freeze_count() == 0
