@@ -1,9 +1,11 @@
 """Keeping Python's cyclic garbage collector off the objects a process holds for its whole run.
 
-A full collection scans every tracked object. After start-up a ``redline train`` process tracks ~420k objects
-(torch, transformers, the model, the data). On the CPU machine each full collection paused the process for
-150-220 ms, about every 3 s of the quickstart's steps; the longest step was 2.2x the median. Frozen objects
-(``gc.freeze``) are left out of those scans. ``REDLINE_GC_FREEZE=0`` leaves the collector as Python sets it.
+A full collection scans every tracked object, and a ``redline train`` process holds many from its start (torch,
+transformers, the model, the data). On the CPU machine the quickstart's loop paid 4 full collections in 60 steps,
+206-247 ms each, and its longest step took 383-450 ms against a median of 165-209 ms. Frozen (``gc.freeze``),
+those objects are left out of the scans: the loop's full collections took 5-6 ms in all, its longest step
+208-243 ms (``benchmarks/results/loop/gc-freeze-cpu/``). ``REDLINE_GC_FREEZE=0`` leaves the collector as Python
+sets it.
 """
 
 import contextlib
