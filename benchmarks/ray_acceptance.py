@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def pinned(cpus: set[int] | None):
 
 def run(out: Path, name: str, config: str, flags: list[str], cpus: set[int] | None = None) -> dict:
     folder = out / name
+    shutil.rmtree(folder, ignore_errors=True)  # a run that fails before --overwrite acts must not report an older one
     cmd = [sys.executable, "-m", "redline.cli", "train", config, "--output-dir", str(folder), "--overwrite", *flags]
     with open(out / f"{name}.log", "w") as log:
         log.write(" ".join(cmd) + "\n")

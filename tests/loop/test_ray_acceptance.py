@@ -72,6 +72,17 @@ def test_runs_alternate_between_repeats_and_between_engines():
     assert list(watched)[:2] == ["no-ray", "ray"] and len(watched) > 2  # with fault tolerance's mixed runs
 
 
+def test_a_run_that_fails_at_start_reports_no_older_runs_steps(tmp_path):
+    stale = tmp_path / "embedded-ray"
+    stale.mkdir()
+    older = [{"step": step, "perf/step_time": 0.2, "eval/reward_mean": 0.9} for step in range(1, 6)]
+    (stale / "metrics.jsonl").write_text("\n".join(map(json.dumps, older)))
+    result = acceptance.run(tmp_path, "embedded-ray", str(tmp_path / "missing.toml"), [])
+    assert result["exit_code"] != 0
+    assert result["steps"] == 0 and result["median perf/step_time"] is None and result["eval_reward_last"] is None
+    assert "missing.toml" in (tmp_path / "embedded-ray.log").read_text()
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_both_placements_run_and_the_summary_reports_them(tmp_path):
