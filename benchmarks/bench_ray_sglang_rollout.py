@@ -2,7 +2,8 @@
 quickstart's rollout (25 prompts x 8 samples, one /generate call each) against the stand-in SGLang server
 (``tests/rollout/fake_sglang.py``, in a process of its own; it answers at once), timed three ways:
 
-* ``in-process``: the ``RolloutManager`` in the calling process, as without Ray;
+* ``in-process``: the ``RolloutManager`` in the calling process, as without Ray (the objects alive before the
+  timed rollouts frozen, as the loop freezes them: ``redline.long_lived``);
 * ``ray-relay``: the manager in the rollout manager actor, every engine call relayed through a trainer rank's actor
   (``TrainerRank.call`` / ``generate_each``): what the actor does with an engine it cannot reach itself;
 * ``ray-direct``: the manager in the actor as the servers' own HTTP client (``SGLangEngine.endpoints``), what
@@ -62,6 +63,7 @@ def timed_rollouts(manager, rollouts: int) -> list[float]:
 def in_process(config, url: str, rollouts: int) -> list[float]:
     from transformers import AutoTokenizer
 
+    from redline.long_lived import long_lived_frozen
     from redline.loop.rollout_setup import build_manager, run_reward
     from redline.rollout.sglang.engine import SGLangEngine
 
@@ -69,7 +71,8 @@ def in_process(config, url: str, rollouts: int) -> list[float]:
     engine = SGLangEngine([url])
     manager = build_manager(config, tokenizer, engine, run_reward(config))
     try:
-        return timed_rollouts(manager, rollouts)
+        with long_lived_frozen():  # as the loop runs its steps (redline.long_lived; REDLINE_GC_FREEZE=0 opts out)
+            return timed_rollouts(manager, rollouts)
     finally:
         asyncio.run(engine.shutdown())
 
