@@ -75,8 +75,9 @@ def child(pauses_file: Path, train_args: list[str]) -> None:
 def summary(run: Path, pauses: dict) -> dict:
     """One run's numbers (milliseconds): steps from ``FIRST_STEP`` on; full collections once the loop began (None
     where the run's own process ran no loop)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in records if "perf/step_time" in r and r["step"] >= FIRST_STEP]
+    from redline.loop.metrics import read_records
+
+    steps = [r for r in read_records(run / "metrics.jsonl") if "perf/step_time" in r and r["step"] >= FIRST_STEP]
     step_ms = sorted(1e3 * r["perf/step_time"] for r in steps)
     began, ended = pauses["loop_began"], pauses["loop_ended"]
     in_loop = None if began is None else [1e3 * seconds for start, seconds in pauses["pauses"]
@@ -117,6 +118,7 @@ def main(argv=None) -> int:
     if args.num_rollout <= FIRST_STEP or args.repeats < 1:
         ap.error(f"--num-rollout must exceed {FIRST_STEP} and --repeats be at least 1")
     from redline.env_report import software, source_revision
+    from redline.long_lived import FREEZE_ENV
 
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
         for mode in order:
             name = f"{'off' if mode == MODES[0] else 'frozen'}-{repeat}"
             run, pauses_file = args.out / name, args.out / f"{name}.pauses.json"
-            env = {**os.environ, "REDLINE_GC_FREEZE": "0" if mode == MODES[0] else "1"}
+            env = {**os.environ, FREEZE_ENV: "0" if mode == MODES[0] else "1"}
             command = [sys.executable, __file__, CHILD, str(pauses_file), args.config, "--num-rollout",
                        str(args.num_rollout), "--output-dir", str(run), "--overwrite", *shlex.split(args.extra)]
             with open(args.out / f"{name}.log", "w") as log:

@@ -10,18 +10,17 @@ sets it.
 
 import contextlib
 import gc
-import os
 
+from redline.switches import env_switch
 
-def _enabled() -> bool:
-    return os.environ.get("REDLINE_GC_FREEZE", "1") != "0"
+FREEZE_ENV = "REDLINE_GC_FREEZE"  # "0": leave the collector as Python sets it
 
 
 def freeze_long_lived() -> None:
     """Collect the garbage there is, then move every object still alive out of the collector's generations
     (``gc.freeze``), for a process that keeps them until it ends: an engine process, the rollout manager actor.
     Cycles among the frozen objects are not collected until ``gc.unfreeze``."""
-    if _enabled():
+    if env_switch(FREEZE_ENV):
         gc.collect()
         gc.freeze()
 
@@ -31,9 +30,11 @@ def long_lived_frozen():
     """``freeze_long_lived`` for the block. After it, ``gc.unfreeze``: what the block's owner drops (a run's model,
     in a process that runs several) can be collected again. The freeze is process-wide, so blocks in threads of
     one process share it."""
-    freeze_long_lived()
+    frozen = env_switch(FREEZE_ENV)
+    if frozen:
+        freeze_long_lived()
     try:
         yield
     finally:
-        if _enabled():
+        if frozen:
             gc.unfreeze()

@@ -488,12 +488,14 @@ def check_offload_level(config) -> None:
                           "--offload-rollout, or drop the level")
 
 
-def check_sync_switches() -> None:
-    """The weight sync's environment switches (``REDLINE_SYNC_SHARE``, ``REDLINE_SYNC_ZERO_COPY``), before an engine
-    starts."""
-    from redline.loop.weight_sync import SHARE_ENV, ZERO_COPY_ENV, env_switch
+def check_env_switches() -> None:
+    """The run's on/off environment switches (the weight sync's ``REDLINE_SYNC_SHARE``, ``REDLINE_SYNC_ZERO_COPY``,
+    the loop's ``REDLINE_GC_FREEZE``), before an engine starts."""
+    from redline.long_lived import FREEZE_ENV
+    from redline.loop.weight_sync import SHARE_ENV, ZERO_COPY_ENV
+    from redline.switches import env_switch
 
-    for name in (SHARE_ENV, ZERO_COPY_ENV):
+    for name in (SHARE_ENV, ZERO_COPY_ENV, FREEZE_ENV):
         try:
             env_switch(name)
         except ValueError as exc:
@@ -551,7 +553,7 @@ def validate(config, world_size: int = 1) -> None:
         check_load(config.checkpoint.load, layout_of(config, world_size))
     if config.sync.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {config.sync.update_weight_buffer_size}")
-    check_sync_switches()
+    check_env_switches()
     check_offload_level(config)
     check_profile(config)
     try:

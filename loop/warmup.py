@@ -28,7 +28,6 @@ so there is nothing to warm. ``CompileClock`` charges each step the compilation 
 (``perf/compile_time``) and names each kernel compiled inside a step with the phase it fell in.
 """
 
-import os
 import time
 from collections.abc import Callable
 
@@ -42,6 +41,7 @@ from redline.loop.rollout_setup import engine_rows
 from redline.loop.step import reuses_old_logp
 from redline.loop.train_offload import ensure_resident
 from redline.rollout.types import GenerateRequest, SamplingParams
+from redline.switches import env_switch
 
 WARMUP_ENV = "REDLINE_KERNEL_WARMUP"  # "0": skip the warm-up (first calls then tune and compile inside steps)
 SEQUENCE = 256  # tokens per synthetic sequence (the last one of a micro-batch shorter)
@@ -50,10 +50,7 @@ ENGINE_TOKENS = 2  # per warm-up prompt: the prefill samples the first, a decode
 
 def warmup_enabled() -> bool:
     """False when ``REDLINE_KERNEL_WARMUP=0``; any other value but 1 is an error naming the variable."""
-    value = os.environ.get(WARMUP_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{WARMUP_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(WARMUP_ENV)
 
 
 class CompileClock:

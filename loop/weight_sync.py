@@ -43,6 +43,7 @@ from redline.devices import device_scope
 from redline.loop.train_offload import device_memory, make_room
 from redline.rollout.engine import MEMORY_TAGS
 from redline.ports import free_port
+from redline.switches import env_switch
 from redline.sync.plan import WeightPlan, named_buckets, plan_for
 from redline.sync.protocol import SyncError
 from redline.sync.zero_copy import plan_in_place
@@ -54,15 +55,6 @@ ZERO_COPY_ENV = "REDLINE_SYNC_ZERO_COPY"
 # 0: the embedded engine keeps its own copy of the weights even where it could read the trainer's in place
 SHARE_ENV = "REDLINE_SYNC_SHARE"
 CACHE_HEADROOM = 2**30  # bytes beyond the engine's own that must be free before the trainer's cache is left alone
-
-
-def env_switch(name: str) -> bool:
-    """An on/off environment variable of the sync (``1``, the default, or ``0``); anything else is refused, naming
-    the variable."""
-    value = os.environ.get(name, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def in_process_mode(device: torch.device) -> str:

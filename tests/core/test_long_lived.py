@@ -44,3 +44,10 @@ def test_redline_gc_freeze_0_leaves_the_collector_alone(unfrozen, monkeypatch):
         assert gc.get_freeze_count() == 0
     freeze_long_lived()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_switch_other_than_0_or_1_is_refused_naming_it(unfrozen, monkeypatch):
+    monkeypatch.setenv("REDLINE_GC_FREEZE", "false")
+    with pytest.raises(ValueError, match="REDLINE_GC_FREEZE must be 0 or 1, got 'false'"):
+        freeze_long_lived()
+    assert gc.get_freeze_count() == 0

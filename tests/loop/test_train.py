@@ -143,6 +143,13 @@ def test_the_steps_run_with_the_start_ups_objects_frozen(tmp_path, monkeypatch, 
     assert gc.get_freeze_count() == 0  # the run's model and data can be collected once it ends
 
 
+def test_a_gc_freeze_switch_other_than_0_or_1_stops_the_run_at_start_up_naming_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("REDLINE_GC_FREEZE", "off")
+    assert run(small_config(tmp_path)) == 2
+    assert "REDLINE_GC_FREEZE must be 0 or 1, got 'off'" in capsys.readouterr().out
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_configuration_errors_stop_before_any_model_loads(tmp_path, capsys):
     assert run(small_config(tmp_path, global_batch_size="7")) == 2
     assert "--global-batch-size (7)" in capsys.readouterr().out
