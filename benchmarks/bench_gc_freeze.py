@@ -9,7 +9,7 @@ Per run, from its ``metrics.jsonl``: the median, mean, 90th percentile and longe
 on, and the median rollout and train phases. From the run's own process (``gc.callbacks``; under
 ``--ray-address`` that is the launcher, not the rank): each full (generation 2) collection's pause, counted from
 the loop's start on. Writes ``OUT/gc-freeze.json`` (every step, every pause, the environment) and
-``OUT/gc-freeze.md``.
+``OUT/gc-freeze.md``; the JSON names the machine (GPUs through NVML, CPU count and processor).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shlex
 import statistics
 import subprocess
@@ -82,9 +83,10 @@ def summary(run: Path, pauses: dict) -> dict:
     began, ended = pauses["loop_began"], pauses["loop_ended"]
     in_loop = None if began is None else [1e3 * seconds for start, seconds in pauses["pauses"]
                                           if began <= start <= ended]
+    p90 = statistics.quantiles(step_ms, n=10, method="inclusive")[-1] if len(step_ms) > 1 else step_ms[0]
     return {"steps": len(step_ms), "median_step_ms": statistics.median(step_ms),
-            "mean_step_ms": statistics.mean(step_ms), "p90_step_ms": step_ms[int(0.9 * (len(step_ms) - 1))],
-            "max_step_ms": step_ms[-1],
+            "mean_step_ms": statistics.mean(step_ms), "max_step_ms": step_ms[-1],
+            "p90_step_ms": p90,
             "median_rollout_ms": statistics.median(1e3 * r["perf/rollout_time"] for r in steps),
             "median_train_ms": statistics.median(1e3 * r["perf/train_time"] for r in steps),
             "step_ms": [1e3 * r["perf/step_time"] for r in steps], "full_collection_ms_in_loop": in_loop}
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.num_rollout <= FIRST_STEP or args.repeats < 1:
         ap.error(f"--num-rollout must exceed {FIRST_STEP} and --repeats be at least 1")
-    from redline.env_report import software, source_revision
+    from redline.env_report import gpus, software, source_revision
     from redline.long_lived import FREEZE_ENV
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
                   f"{result['max_step_ms']:.1f}", flush=True)
     date = time.strftime("%Y-%m-%d")
     report = {"config": args.config, "num_rollout": args.num_rollout, "extra": args.extra, "runs": runs,
-              "software": software(), "commit": source_revision(), "date": date}
+              "software": software(), "gpus": gpus(), "cpus": os.cpu_count(), "processor": platform.processor(),
+              "commit": source_revision(), "date": date}
     (args.out / "gc-freeze.json").write_text(json.dumps(report, indent=2))
     text = (f"# Freezing the start-up's objects out of the garbage collector ({date}, {report['commit']})\n\n"
             f"`redline train {Path(args.config).name} --num-rollout {args.num_rollout} {args.extra}`, steps "

@@ -24,6 +24,7 @@ def test_a_runs_summary_counts_the_loops_collections_and_its_steps_from_step_3(t
     assert summary["steps"] == 3
     assert summary["median_step_ms"] == pytest.approx(200.0) and summary["max_step_ms"] == pytest.approx(300.0)
     assert summary["mean_step_ms"] == pytest.approx(200.0) and summary["median_rollout_ms"] == pytest.approx(100.0)
+    assert summary["p90_step_ms"] == pytest.approx(280.0)  # 200 + 0.8 * (300 - 200), interpolated
     assert summary["full_collection_ms_in_loop"] == [250.0, 125.0]
     assert "2, 375, 250" in bench.table([{"mode": "frozen", "repeat": 0, "summary": summary}])
 
