@@ -4,8 +4,8 @@ A full collection scans every tracked object, and a ``redline train`` process ho
 transformers, the model, the data). On the CPU machine the quickstart's loop paid 4 full collections in 60 steps,
 206-247 ms each, and its longest step took 383-450 ms against a median of 165-209 ms. Frozen (``gc.freeze``),
 those objects are left out of the scans: the loop's full collections took 5-6 ms in all, its longest step
-208-243 ms (``benchmarks/results/loop/gc-freeze-cpu/``). ``REDLINE_GC_FREEZE=0`` leaves the collector as Python
-sets it.
+208-243 ms (``benchmarks/results/loop/gc-freeze-cpu/``). SGLang's server processes are asked to do the same
+before the loop (``freeze_engine_servers``). ``REDLINE_GC_FREEZE=0`` leaves every collector as Python sets it.
 """
 
 import contextlib
@@ -23,6 +23,17 @@ def freeze_long_lived() -> None:
     if env_switch(FREEZE_ENV):
         gc.collect()
         gc.freeze()
+
+
+def freeze_engine_servers(engine, loop) -> list[str]:
+    """``freeze_long_lived`` in the server processes of ``engine`` (or of each of its ``engines``) that take the
+    request (SGLang's ``/freeze_gc``: its tokenizer manager, scheduler and detokenizer), run on ``loop``; the URLs of
+    servers without the route, for the caller to name. Engines in redline's own processes freeze themselves.
+    Nothing with ``REDLINE_GC_FREEZE=0``."""
+    if not env_switch(FREEZE_ENV):
+        return []
+    servers = [e for e in getattr(engine, "engines", [engine]) if hasattr(e, "freeze_gc")]
+    return [url for server in servers for url in loop.run_until_complete(server.freeze_gc())]
 
 
 @contextlib.contextmanager

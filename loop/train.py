@@ -11,7 +11,7 @@ from rich.console import Console
 
 from redline.configfile import ConfigError, apply_overrides, to_mapping
 from redline.gpu_telemetry import open_gpu_telemetry
-from redline.long_lived import long_lived_frozen
+from redline.long_lived import freeze_engine_servers, long_lived_frozen
 from redline.loop import checkpoint, faults, interrupt, run_folder
 from redline.loop.advantages import AdaptiveKLController
 from redline.loop.builtin import materialize
@@ -354,6 +354,10 @@ def _train(state: RunState, tokenizer, metrics, out: Path, console: Console, con
         compile_clock = CompileClock().install()
         state.on_phase = compile_clock.tracking(state.on_phase)  # a step's compilations named with their phase
         startup = warm_up(state, console, compile_clock, version=str(start))  # the engine's weights: start's
+    if state.engine is not None:  # after the warm-up: its compiled graphs and caches are long-lived too
+        for url in freeze_engine_servers(state.engine, state.loop):
+            console.print(f"SGLang server {url} has no /freeze_gc: its processes keep collecting what they hold "
+                          f"since start-up in every full collection")
     with long_lived_frozen():  # the start-up's objects stay out of the loop's full collections
         for rollout_id in range(start, config.rollout.num_rollout):
             step = rollout_id + 1

@@ -191,6 +191,13 @@ class SGLangClient:
     async def resume(self) -> None:
         await self.request("POST", "/continue_generation", {})
 
+    async def freeze_gc(self) -> bool:
+        """``/freeze_gc``: the server's processes (tokenizer manager, scheduler, detokenizer) move the objects they
+        hold now out of Python's garbage collector's generations, as ``redline.long_lived`` does for redline's own.
+        False where the server has no such route."""
+        status, _ = await self.request("POST", "/freeze_gc", ok=(200, 404))
+        return status == 200
+
     async def health(self) -> bool:
         try:
             status, _ = await self.request("GET", "/health", ok=(200, 503))

@@ -270,6 +270,12 @@ class SGLangEngine:
         await self._all("resume")
         self._paused = False
 
+    async def freeze_gc(self) -> list[str]:
+        """``SGLangClient.freeze_gc`` on every server (not the router, which holds no model); the URLs of those
+        without the route."""
+        frozen = await self._all("freeze_gc")
+        return [worker.url for worker, done in zip(self.workers, frozen) if not done]
+
     async def health(self) -> bool:
         checks = await asyncio.gather(*(w.health() for w in self.workers))
         return all(checks)

@@ -32,11 +32,10 @@ BUCKET_BYTES = 128 * 1024
 CONTROL_DELAY = 0.02  # seconds the stand-in takes to answer each weight update, memory call and hash request
 
 
-@pytest.mark.parametrize("version,session", [("0.5.17", False), ("0.5.23", True)])
-def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, session):
-    """A server without redline's checked loader: pushed as flattened buckets, then checked by its hashes."""
+def loaded_as_sent(server, monkeypatch) -> list[list[str]]:
+    """Serialization by recorder: each bucket's names go to the returned list and the stand-in reports the hashes
+    of what it was sent, as a server that loaded it would."""
     serialized = []
-    server = FakeSGLang(version=version, busy_flushes=0, control_delay=CONTROL_DELAY)
 
     def fake_serialize(named_tensors, tp_size=1):
         serialized.append([name for name, _ in named_tensors])
@@ -45,6 +44,14 @@ def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, se
 
     monkeypatch.setattr(sglang_engine, "serialize_bucket", fake_serialize)
     monkeypatch.setattr(weight_check, "sglang_tensor_hash", lambda: byte_hash)
+    return serialized
+
+
+@pytest.mark.parametrize("version,session", [("0.5.17", False), ("0.5.23", True)])
+def test_rl_step_on_an_attached_sglang_server(tmp_path, monkeypatch, version, session):
+    """A server without redline's checked loader: pushed as flattened buckets, then checked by its hashes."""
+    server = FakeSGLang(version=version, busy_flushes=0, control_delay=CONTROL_DELAY)
+    serialized = loaded_as_sent(server, monkeypatch)
     with server:
         config = small_config(tmp_path, sft_steps="0", rollout_engine="sglang", sglang_server_urls=server.url,
                               offload_rollout="true", update_weight_buffer_size=str(BUCKET_BYTES),
@@ -107,3 +114,27 @@ def test_rl_step_on_a_server_with_the_checked_loader_checks_in_the_load(tmp_path
         if name in held:  # the unfused ones; the fused ones are covered by the checksum
             assert torch.equal(held[name][:tensor.shape[0]], tensor), name
     assert "perf/check_weights_time" not in metrics and metrics["perf/sync_time"] > 0
+
+
+@pytest.mark.parametrize("setting", ["default", "0", "no route"])
+def test_redline_train_asks_the_servers_to_freeze_before_its_first_step(tmp_path, monkeypatch, capsys, setting):
+    """The whole command on the stand-in server (which runs where SGLang cannot: no GPU, so the engine check is
+    skipped): SGLang's processes freeze what they hold once the run is set up, as redline's own do."""
+    from redline.loop import validate as validate_module
+    from redline.loop.train import run
+
+    monkeypatch.setattr(validate_module, "check_engine", lambda config: None)
+    if setting == "0":
+        monkeypatch.setenv("REDLINE_GC_FREEZE", "0")
+    server = FakeSGLang(busy_flushes=0, freeze_gc=setting != "no route")
+    loaded_as_sent(server, monkeypatch)
+    with server:
+        config = small_config(tmp_path, sft_steps="0", num_rollout="1", eval_interval="100",
+                              rollout_engine="sglang", sglang_server_urls=server.url)
+        assert run(config) == 0
+    paths = server.paths()
+    out = capsys.readouterr().out
+    assert paths.count("/freeze_gc") == (0 if setting == "0" else 1)
+    if setting == "default":
+        assert paths.index("/freeze_gc") < paths.index("/generate")  # before the first step's rollout
+    assert ("has no /freeze_gc" in out and server.url in out) == (setting == "no route")

@@ -92,7 +92,8 @@ class Payloads:
 
 class FakeSGLang:
     def __init__(self, version="0.5.17", delay=0.0, busy_flushes=1, hash_fn=None, corrupt_bucket=None,
-                 control_delay=0.0, loader_model=None, payloads=None, copies_payload=False):
+                 control_delay=0.0, loader_model=None, payloads=None, copies_payload=False, freeze_gc=True):
+        self.freeze_gc = freeze_gc  # whether /freeze_gc exists (it does in 0.5.17)
         self.version, self.delay, self.busy_flushes, self.hash_fn = version, delay, busy_flushes, hash_fn
         # redline's checked loader (``--custom-weight-loader``): the model it loads into, the serialized payloads
         self.loader_model, self.payloads = loader_model, payloads
@@ -213,6 +214,8 @@ class FakeSGLang:
             dist.destroy_process_group(self.group)
             self.group = self.group_name = None
             return 200, {"success": True, "message": ""}
+        if path == "/freeze_gc" and self.freeze_gc:
+            return 200, "Garbage collection frozen."
         if path == "/fake/calls":
             return 200, [p for p, _ in self.calls]
         if path == "/weights_checker":

@@ -129,6 +129,13 @@ def test_control_calls_reach_every_server():
         assert server.calls[0][1] == {"mode": "abort"}
 
 
+def test_freeze_gc_reaches_every_server_and_names_those_without_the_route():
+    with FakeSGLang() as a, FakeSGLang(version="0.4.6", freeze_gc=False) as b:
+        missing = run(SGLangEngine([a.url, b.url]), lambda e: e.freeze_gc())
+    assert missing == [b.url]
+    assert a.paths() == b.paths() == ["/freeze_gc"]
+
+
 def test_health_false_when_server_unreachable():
     with FakeSGLang() as server:
         url = server.url
