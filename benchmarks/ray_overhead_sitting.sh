@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # Issue 18's Ray overhead on one GPU, every run pinned to the same CPUs, in one sitting:
 #
-#   bash benchmarks/ray_overhead_sitting.sh OUT      # from the repository root, Ray installed
+#   SGLANG_INSTALL=/tmp/stage/sglang-install.sh bash benchmarks/ray_overhead_sitting.sh OUT   # repository root,
+#                                                                                             # Ray installed
 #
-# The 50M quickstart's step is bound by the host, and unpinned runs of the same code differed by up to 45 %
-# (results/loop/ray-h200/one-gpu-5a4425c/). Here the runs get every hardware thread of the first half of the
-# physical cores (RAY_CPUS overrides, taskset syntax); OUT/spare-cpus names the rest, where the sitting's own work
-# (copying SGLang's parts, installing it) goes meanwhile: taskset -c "$(cat OUT/spare-cpus)" ...
+# Whole runs of the same code differed by 29-53 % on the H200 guest (each process draws its own host speed), so
+# three pairs of them cannot resolve 2 %. The sitting measures the rollout first with bench_ray_rollout.py, whose
+# placements live in processes that stay up and take turns one rollout each (the differences paired per round), then
+# the whole-run pairs of ray_acceptance.py as before. Every run gets every hardware thread of the first half of the
+# physical cores (RAY_CPUS overrides, taskset syntax); OUT/spare-cpus names the rest, for the sitting's own work.
 # 1. OUT/machine.txt: which CPUs share a core (lscpu), the GPU (nvidia-smi);
-# 2. the in-process embedded engine, 4 alternating repeats of 30 steps with and without Ray (OUT/embedded/);
-#    a line "embedded done" in OUT/timeline.txt when they end;
-# 3. SGLang, 3 repeats (OUT/sglang/): with SGLANG_INSTALL=path/to/install.sh (stage.py's, its parts already in
-#    /tmp/stage/sglang/) the script installs SGLang itself once the embedded runs end; without it, it waits for
-#    OUT/sglang-ready, which whoever installs SGLang makes. Never install while runs start: SGLang's install
-#    replaced tokenizers under a starting run's imports (results/loop/ray-h200/direct-sglang-53aec28/).
-# --rollout-manager under Ray: RAY_MANAGER for the embedded runs (default rank; the actor, which relays every
-# engine call through the rank, was measured in results/loop/ray-h200/pinned-b0e127b/), RAY_MANAGER_SGLANG for the
-# SGLang runs (default actor: since 4e8ed67 it is the servers' HTTP client itself, with no relay; unmeasured).
+# 2. with SGLANG_INSTALL=path/to/install.sh (stage.py's, its parts already in /tmp/stage/sglang/), SGLang's install,
+#    before any run: an install replaced tokenizers under a starting run's imports once
+#    (results/loop/ray-h200/direct-sglang-53aec28/); without it, the SGLang parts wait for OUT/sglang-ready, which
+#    whoever installs SGLang makes;
+# 3. the rollout alone (OUT/rollout-embedded/, then OUT/rollout-sglang/): in-process, ray-rank and ray-actor,
+#    ROLLOUT_REPEATS (default 4) repeats of ROLLOUT_ROUNDS (default 30) rounds;
+# 4. whole-run pairs: the in-process embedded engine, EMBEDDED_REPEATS (default 4) alternating repeats of 30 steps
+#    with and without Ray (OUT/embedded/, --rollout-manager RAY_MANAGER, default rank), then SGLang, SGLANG_REPEATS
+#    (default 3) (OUT/sglang/, RAY_MANAGER_SGLANG, default actor: the servers' HTTP client itself).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/ray_overhead_sitting.sh OUT}
 mkdir -p "$OUT"
@@ -43,15 +45,19 @@ RUN_CPUS=${RAY_CPUS:-$RUN_CPUS}
 echo "$SPARE_CPUS" > "$OUT/spare-cpus"
 { echo "runs pinned to CPUs $RUN_CPUS; spare CPUs $SPARE_CPUS"; lscpu -e; lscpu; nvidia-smi; } > "$OUT/machine.txt" 2>&1
 
-MANAGER=${RAY_MANAGER:-rank}
-part 1-embedded 0 python3 benchmarks/ray_acceptance.py "$OUT/embedded" --engines embedded --repeats 4 \
-  --num-rollout 30 --cpus "$RUN_CPUS" --rollout-manager "$MANAGER"
-echo "$(date -u +%T) embedded done" >> "$OUT/timeline.txt"
 if [ -n "${SGLANG_INSTALL:-}" ]; then
-  part 2-sglang-install 0 bash "$SGLANG_INSTALL"  # a failed install shows in its log and in the runs' own
+  part 0-sglang-install 0 bash "$SGLANG_INSTALL"  # a failed install shows in its log and in the runs' own
   touch "$OUT/sglang-ready"
 fi
+ROLLOUT=(--rounds "${ROLLOUT_ROUNDS:-30}" --repeats "${ROLLOUT_REPEATS:-4}")
+part 1-rollout-embedded 0 taskset -c "$RUN_CPUS" python3 benchmarks/bench_ray_rollout.py "$OUT/rollout-embedded" \
+  --engine embedded "${ROLLOUT[@]}"
 while [ ! -e "$OUT/sglang-ready" ]; do sleep 2; done
-part 3-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats 3 --num-rollout 30 \
-  --cpus "$RUN_CPUS" --rollout-manager "${RAY_MANAGER_SGLANG:-actor}"
+part 2-rollout-sglang 0 taskset -c "$RUN_CPUS" python3 benchmarks/bench_ray_rollout.py "$OUT/rollout-sglang" \
+  --engine sglang "${ROLLOUT[@]}"
+echo "$(date -u +%T) rollout benchmarks done" >> "$OUT/timeline.txt"
+part 3-embedded 0 python3 benchmarks/ray_acceptance.py "$OUT/embedded" --engines embedded \
+  --repeats "${EMBEDDED_REPEATS:-4}" --num-rollout 30 --cpus "$RUN_CPUS" --rollout-manager "${RAY_MANAGER:-rank}"
+part 4-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats "${SGLANG_REPEATS:-3}" \
+  --num-rollout 30 --cpus "$RUN_CPUS" --rollout-manager "${RAY_MANAGER_SGLANG:-actor}"
 echo "$(date -u +%T) done" >> "$OUT/timeline.txt"

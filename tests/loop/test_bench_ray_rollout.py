@@ -1,0 +1,122 @@
+"""benchmarks/bench_ray_rollout.py: the placements take turns, each round's differences are paired, the verdict
+follows the interval, and the whole benchmark runs the loop's rollout in each placement."""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_ray_rollout as bench  # noqa: E402  (a script of benchmarks/, not a package)
+
+
+def test_each_placement_takes_each_position_in_turn():
+    orders = [bench.turn_order(bench.MODES, k) for k in range(4)]
+    assert orders[:3] == [["in-process", "ray-rank", "ray-actor"], ["ray-rank", "ray-actor", "in-process"],
+                          ["ray-actor", "in-process", "ray-rank"]]
+    assert orders[3] == orders[0]
+
+
+def test_the_verdict_follows_the_interval_against_2_percent():
+    assert bench.verdict(-0.01, 0.019) == "meets"
+    assert bench.verdict(0.021, 0.05) == "misses"
+    assert bench.verdict(0.0, 0.03) == "unresolved"
+
+
+def records(seconds_by_mode: dict[str, list[list[float]]]) -> list[dict]:
+    """One record per rollout; the manager measured 1 ms less than the rank waited."""
+    return [{"repeat": repeat, "round": k, "mode": mode, "seconds": s, "manager_seconds": s - 0.001}
+            for mode, repeats in seconds_by_mode.items() for repeat, rounds in enumerate(repeats)
+            for k, s in enumerate(rounds)]
+
+
+def test_differences_are_paired_by_round_so_a_slow_round_cancels_out():
+    # round 1 is slow for every placement (the host's noise); ray-actor is 1.5 ms slower in every round
+    base = [[0.100, 0.200, 0.100, 0.101, 0.100], [0.100, 0.100, 0.300, 0.100, 0.100]]
+    summary = bench.summarize(records({"in-process": base,
+                                       "ray-actor": [[s + 0.0015 for s in r] for r in base]}),
+                              ("in-process", "ray-actor"))
+    actor = summary["ray-actor"]
+    assert actor["paired_median_ms"] == pytest.approx(1.5)
+    assert actor["paired_low_ms"] == pytest.approx(1.5) and actor["paired_high_ms"] == pytest.approx(1.5)
+    assert actor["per_repeat_ms"] == pytest.approx([1.5, 1.5])
+    assert actor["relative"] == pytest.approx(0.015)  # of in-process's median rollout, 100 ms
+    assert actor["hop_median_ms"] == pytest.approx(1.0)
+    assert summary["in-process"]["median_ms"] == pytest.approx(100.0)
+    assert actor["verdict"] == "meets"
+    table = bench.table(summary)
+    assert "| ray-actor | 101.5 |" in table and "+1.5 [+1.5, +1.5]" in table and "| meets |" in table
+
+
+def test_a_placement_slower_by_more_than_the_noise_misses():
+    base = [[0.100 + 0.001 * (k % 3) for k in range(20)]]
+    summary = bench.summarize(records({"in-process": base, "ray-rank": [[s + 0.010 for s in base[0]]]}),
+                              ("in-process", "ray-rank"))
+    assert summary["ray-rank"]["verdict"] == "misses"
+    assert summary["ray-rank"]["relative_low"] > 0.02
+
+
+@pytest.mark.parametrize("text", ["ray-rank,ray-actor", "in-process", "in-process,ray-rank,ray-rank",
+                                  "in-process,ray-relay"])
+def test_modes_without_the_base_or_unknown_or_twice_are_refused(text):
+    with pytest.raises(Exception, match="--modes"):
+        bench.parse_modes(text)
+
+
+def test_the_stand_in_server_is_started_for_the_benchmark_and_stopped_after(tmp_path):
+    from redline.rollout.sglang.client import SGLangClient
+
+    async def healthy(url):
+        client = SGLangClient(url)
+        try:
+            return await client.health()
+        finally:
+            await client.close()
+
+    with bench.engine_overrides("stand-in", None, tmp_path) as overrides:
+        assert overrides["rollout_engine"] == "sglang"
+        assert asyncio.run(healthy(overrides["sglang_server_urls"]))
+    assert not asyncio.run(healthy(overrides["sglang_server_urls"]))
+
+
+def test_sglang_is_launched_as_the_loop_launches_it_and_attached_by_url(tmp_path, monkeypatch):
+    from redline.loop import rollout_setup
+
+    class Launched:
+        workers = [type("Client", (), {"url": "http://127.0.0.1:1234"})()]
+        stopped = False
+
+        async def shutdown(self):
+            Launched.stopped = True
+
+    monkeypatch.setattr(rollout_setup, "build_sglang_engine", lambda config, log_dir: Launched())
+    with bench.engine_overrides("sglang", None, tmp_path) as overrides:
+        assert overrides == {"rollout_engine": "sglang", "sglang_server_urls": "http://127.0.0.1:1234"}
+        assert not Launched.stopped
+    assert Launched.stopped
+
+
+@pytest.mark.slow  # a Ray runtime, three placements each with its own embedded engine
+def test_the_benchmark_times_the_loops_rollout_in_each_placement(tmp_path):
+    pytest.importorskip("ray", reason="the benchmark places the rollout with Ray")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ray_rollout.py"), str(tmp_path),
+                    "--engine", "embedded", "--rounds", "3", "--repeats", "1"], check=True, cwd=ROOT, timeout=600,
+                   capture_output=True)
+    result = json.loads((tmp_path / "ray-rollout.json").read_text())
+    rollouts = result["records"]
+    assert len(rollouts) == 3 * len(bench.MODES)
+    assert [r["mode"] for r in rollouts[:3]] == bench.turn_order(bench.MODES, 0)
+    assert [r["mode"] for r in rollouts[3:6]] == bench.turn_order(bench.MODES, 1)
+    assert all(0 < r["manager_seconds"] <= r["seconds"] for r in rollouts)
+    # the rollout manager actor relays the embedded engine's calls through the rank: a hop the others do not make
+    hops = {mode: s["hop_median_ms"] for mode, s in result["summary"].items()}
+    assert hops["ray-actor"] > max(hops["in-process"], hops["ray-rank"])
+    assert {s.get("verdict") for m, s in result["summary"].items() if m != "in-process"} <= \
+        {"meets", "misses", "unresolved"}
+    assert "| ray-actor |" in (tmp_path / "ray-rollout.md").read_text()
+    assert json.loads((tmp_path / "environment.json").read_text())["software"]
