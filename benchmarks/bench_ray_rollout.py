@@ -176,10 +176,13 @@ def turn_order(modes: tuple[str, ...], round_index: int) -> list[str]:
     return list(modes[shift:] + modes[:shift])
 
 
-def bootstrap_median(values: list[float], seed: int = 0) -> tuple[float, float]:
-    """The 2.5th and 97.5th percentiles of the median of ``values`` resampled with replacement."""
+def bootstrap_median(by_repeat: list[list[float]], seed: int = 0) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the median of the pooled values, resampled in two stages: the repeats
+    with replacement, then each drawn repeat's values. A repeat's processes keep their own host speed for all its
+    rounds, so its rounds are not independent draws; resampling rounds alone would understate the spread."""
     draw = random.Random(seed)
-    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(RESAMPLES))
+    medians = sorted(statistics.median(v for values in draw.choices(by_repeat, k=len(by_repeat))
+                                       for v in draw.choices(values, k=len(values))) for _ in range(RESAMPLES))
     return medians[int(0.025 * RESAMPLES)], medians[int(0.975 * RESAMPLES) - 1]
 
 
@@ -195,8 +198,9 @@ def verdict(low: float, high: float, target: float = TARGET) -> str:
 def summarize(records: list[dict], modes: tuple[str, ...]) -> dict:
     """Per mode: the median rollout (ms), the manager's own median (ms) and the hop between them; against
     ``in-process``, the round-paired differences (ms): their median over every round of every repeat, each repeat's
-    median, the median relative to in-process's median rollout with a bootstrap 95 % interval, and the verdict
-    against ``TARGET``. ``records``: one per rollout, ``{"repeat", "round", "mode", "seconds", "manager_seconds"}``."""
+    median, the median relative to in-process's median rollout with a two-stage bootstrap 95 % interval
+    (``bootstrap_median``), and the verdict against ``TARGET``. ``records``: one per rollout, ``{"repeat",
+    "round", "mode", "seconds", "manager_seconds"}``."""
     by_turn = {(r["repeat"], r["round"], r["mode"]): r for r in records}
     summary = {}
     base = statistics.median(r["seconds"] for r in records if r["mode"] == BASE)
@@ -209,13 +213,14 @@ def summarize(records: list[dict], modes: tuple[str, ...]) -> dict:
             pairs = [(r["repeat"], 1e3 * (r["seconds"] - by_turn[r["repeat"], r["round"], BASE]["seconds"]))
                      for r in own if (r["repeat"], r["round"], BASE) in by_turn]
             diffs = [d for _, d in pairs]
-            low, high = bootstrap_median(diffs)
+            repeats = sorted({rep for rep, _ in pairs})
+            by_repeat = [[d for rep, d in pairs if rep == k] for k in repeats]
+            low, high = bootstrap_median(by_repeat)
             relative = (low / (1e3 * base), high / (1e3 * base))
             row.update(paired_median_ms=statistics.median(diffs), paired_low_ms=low, paired_high_ms=high,
                        relative=statistics.median(diffs) / (1e3 * base), relative_low=relative[0],
                        relative_high=relative[1], verdict=verdict(*relative),
-                       per_repeat_ms=[statistics.median(d for rep, d in pairs if rep == k)
-                                      for k in sorted({rep for rep, _ in pairs})])
+                       per_repeat_ms=[statistics.median(values) for values in by_repeat])
         summary[mode] = row
     return summary
 
@@ -240,7 +245,8 @@ def table(summary: dict) -> str:
 @contextlib.contextmanager
 def engine_overrides(engine: str, config, log_dir: Path):
     """The config overrides that point every placement at ``engine``: for the two servers, one started here for
-    the whole benchmark (the stand-in in its own process; SGLang launched as the loop launches it)."""
+    the whole benchmark (the stand-in in its own process; SGLang launched as the loop launches it, and asked to
+    freeze its start-up's objects as the loop asks it)."""
     if engine == "embedded":
         yield {"rollout_engine": "embedded"}
         return
@@ -251,13 +257,17 @@ def engine_overrides(engine: str, config, log_dir: Path):
         with fake_sglang_process() as url:
             yield {"rollout_engine": "sglang", "sglang_server_urls": url}
         return
+    from redline.long_lived import freeze_engine_servers
     from redline.loop.rollout_setup import build_sglang_engine
 
-    server = build_sglang_engine(config, log_dir=log_dir)
+    server, loop = build_sglang_engine(config, log_dir=log_dir), asyncio.new_event_loop()
     try:
+        for url in freeze_engine_servers(server, loop):  # as the loop asks before its first step
+            print(f"SGLang server {url} has no /freeze_gc", flush=True)
         yield {"rollout_engine": "sglang", "sglang_server_urls": server.workers[0].url}
     finally:
-        asyncio.run(server.shutdown())
+        loop.run_until_complete(server.shutdown())
+        loop.close()
 
 
 def measure(config, modes: tuple[str, ...], rounds: int, repeats: int) -> list[dict]:
@@ -332,8 +342,9 @@ def main(argv=None) -> int:
     text = (f"# What Ray adds to the loop's rollout ({args.engine} engine, {date})\n\n"
             f"`{args.config.name}`'s rollout; {args.repeats} repeats of fresh processes, {args.rounds} rounds each, "
             f"the placements taking turns one rollout each (order rotated per round). Paired: each round's rollout "
-            f"minus in-process's of the same round; medians, bootstrap 95 % intervals. Hop: the rank's wait for "
-            f"its batch minus the manager's own `perf/rollout_time`.\n\n{table(summary)}\n")
+            f"minus in-process's of the same round; medians, 95 % intervals of a bootstrap over repeats, then "
+            f"rounds. Hop: the rank's wait for its batch minus the manager's own `perf/rollout_time`.\n\n"
+            f"{table(summary)}\n")
     (args.out / "ray-rollout.md").write_text(text)
     print(text)
     return 0

@@ -61,6 +61,17 @@ def test_a_placement_slower_by_more_than_the_noise_misses():
     assert summary["ray-rank"]["relative_low"] > 0.02
 
 
+def test_a_repeats_own_offset_widens_the_interval_as_much_as_the_repeats_differ():
+    # each repeat's processes draw their own speed: ray-rank is +0, +3 and +6 ms in its three repeats, every round
+    base = [[0.100] * 20] * 3
+    rank = [[s + offset for s in r] for r, offset in zip(base, (0.0, 0.003, 0.006))]
+    summary = bench.summarize(records({"in-process": base, "ray-rank": rank}), ("in-process", "ray-rank"))["ray-rank"]
+    assert summary["per_repeat_ms"] == pytest.approx([0.0, 3.0, 6.0])
+    assert summary["paired_low_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["paired_high_ms"] == pytest.approx(6.0)
+    assert summary["verdict"] == "unresolved"
+
+
 @pytest.mark.parametrize("text", ["ray-rank,ray-actor", "in-process", "in-process,ray-rank,ray-rank",
                                   "in-process,ray-relay"])
 def test_modes_without_the_base_or_unknown_or_twice_are_refused(text):
@@ -84,12 +95,16 @@ def test_the_stand_in_server_is_started_for_the_benchmark_and_stopped_after(tmp_
     assert not asyncio.run(healthy(overrides["sglang_server_urls"]))
 
 
-def test_sglang_is_launched_as_the_loop_launches_it_and_attached_by_url(tmp_path, monkeypatch):
+def test_sglang_is_launched_and_frozen_as_the_loop_does_it_and_attached_by_url(tmp_path, monkeypatch):
     from redline.loop import rollout_setup
 
     class Launched:
         workers = [type("Client", (), {"url": "http://127.0.0.1:1234"})()]
-        stopped = False
+        frozen = stopped = False
+
+        async def freeze_gc(self):
+            Launched.frozen = True
+            return []
 
         async def shutdown(self):
             Launched.stopped = True
@@ -97,7 +112,7 @@ def test_sglang_is_launched_as_the_loop_launches_it_and_attached_by_url(tmp_path
     monkeypatch.setattr(rollout_setup, "build_sglang_engine", lambda config, log_dir: Launched())
     with bench.engine_overrides("sglang", None, tmp_path) as overrides:
         assert overrides == {"rollout_engine": "sglang", "sglang_server_urls": "http://127.0.0.1:1234"}
-        assert not Launched.stopped
+        assert Launched.frozen and not Launched.stopped
     assert Launched.stopped
 
 

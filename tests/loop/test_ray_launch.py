@@ -5,6 +5,7 @@ batches drawn by the rollout manager actor."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -23,18 +24,27 @@ def without_fault_counters(records):
     return [{k: v for k, v in r.items() if k not in FAULT_METRICS} for r in records]
 
 
-def train(out, *args, env=None, check=True):
-    """``redline train`` of the quickstart in a subprocess: (records, console)."""
+def train(out, *args, env=None, check=True, timeout=300):
+    """``redline train`` of the quickstart in a subprocess: (records, console, exit code). A run still going after
+    ``timeout`` seconds is killed with its process group (the Ray runtime it started) and fails the test with the
+    end of its output."""
     cmd = [sys.executable, "-m", "redline.cli", "train", *QUICKSTART, "--output-dir", str(out), *args]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "RAY_DEDUP_LOGS": "0", **(env or {})})
+    process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, env={**os.environ, "RAY_DEDUP_LOGS": "0", **(env or {})})
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"redline train {' '.join(args)} still ran after {timeout} s; the end of its output:\n"
+                    f"{stdout[-3000:]}\n{stderr[-3000:]}")
     # the console wraps long lines, and Ray prefixes each line of an actor with its name and pid
-    console = " ".join(RAY_PREFIX.sub("", done.stdout + done.stderr).split())
+    console = " ".join(RAY_PREFIX.sub("", stdout + stderr).split())
     if check:
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return records, console, done.returncode
+    return records, console, process.returncode
 
 
 @pytest.fixture(autouse=True)
