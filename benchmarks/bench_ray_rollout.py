@@ -257,10 +257,12 @@ def engine_overrides(engine: str, config, log_dir: Path):
         with fake_sglang_process() as url:
             yield {"rollout_engine": "sglang", "sglang_server_urls": url}
         return
+    from redline.configfile import apply_overrides
     from redline.long_lived import freeze_engine_servers
     from redline.loop.rollout_setup import build_sglang_engine
 
-    server, loop = build_sglang_engine(config, log_dir=log_dir), asyncio.new_event_loop()
+    launching = apply_overrides(config, {"rollout_engine": "sglang"})  # its memory share and graphs as the loop's
+    server, loop = build_sglang_engine(launching, log_dir=log_dir), asyncio.new_event_loop()
     try:
         for url in freeze_engine_servers(server, loop):  # as the loop asks before its first step
             print(f"SGLang server {url} has no /freeze_gc", flush=True)

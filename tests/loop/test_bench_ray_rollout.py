@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_ray_rollout as bench  # noqa: E402  (a script of benchmarks/, not a package)
 
+from .test_train import small_config  # noqa: E402
+
 
 def test_each_placement_takes_each_position_in_turn():
     orders = [bench.turn_order(bench.MODES, k) for k in range(4)]
@@ -109,8 +111,12 @@ def test_sglang_is_launched_and_frozen_as_the_loop_does_it_and_attached_by_url(t
         async def shutdown(self):
             Launched.stopped = True
 
-    monkeypatch.setattr(rollout_setup, "build_sglang_engine", lambda config, log_dir: Launched())
-    with bench.engine_overrides("sglang", None, tmp_path) as overrides:
+    def launch(config, log_dir):
+        assert config.rollout.rollout_engine == "sglang" and log_dir == tmp_path
+        return Launched()
+
+    monkeypatch.setattr(rollout_setup, "build_sglang_engine", launch)
+    with bench.engine_overrides("sglang", small_config(tmp_path), tmp_path) as overrides:
         assert overrides == {"rollout_engine": "sglang", "sglang_server_urls": "http://127.0.0.1:1234"}
         assert Launched.frozen and not Launched.stopped
     assert Launched.stopped
