@@ -1,26 +1,30 @@
-"""What Ray adds to the loop's rollout, with the host's noise paired out.
+"""What Ray adds to the loop's rollout, or to its whole RL step, with the host's noise paired out.
 
 Whole-run pairs could not resolve issue 18's 2 % on a shared or virtualised host: runs of the same code differed by
-up to 53 %, because each process draws its own host speed. Here every placement of the rollout lives in a process
-that stays up for a whole repeat, built as ``redline train`` builds its rollout (``build_rollout``: the engine, the
-``RolloutManager`` or, under Ray, this rank's shard of the rollout manager actor), and the placements take turns,
-one rollout each, so each round's differences are drawn under the same load:
+up to 45 %, because each process draws its own host speed. Here every placement of the loop lives in a process that
+stays up for a whole repeat, built as ``redline train`` builds it, and the placements take turns, one rollout or
+step each, so each round's differences are drawn under the same load:
 
 * ``in-process``: a plain process, as ``redline train`` without Ray;
 * ``ray-rank``: a ``TrainerRank`` actor building its manager itself (``--rollout-manager rank``);
 * ``ray-actor``: a ``TrainerRank`` actor whose batches come from the rollout manager actor (the default): the actor
   calls SGLang servers itself, and relays every other engine's calls through the rank.
 
+``--measure rollout`` builds the rollout alone (``build_rollout``: the engine and the ``RolloutManager`` or, under
+Ray, this rank's shard of the rollout manager actor) and times ``generate``; ``--measure step`` builds the whole
+run (``build``: trainer, engine, rollout, weight sync) and times ``rl_step``, what issue 18's target is about.
+
 Engines (``--engine``): ``stand-in`` (``tests/rollout/fake_sglang.py`` in its own process, answering at once; no
-GPU), ``sglang`` (one server launched here, as the loop launches it, attached by every placement), ``embedded``
-(each placement's own engine in its process, as the loop's default).
+GPU; rollouts only: a push needs SGLang's CUDA-IPC serializer), ``sglang`` (one server launched here, as the loop
+launches it, attached by every placement; in step mode each placement pushes its weights to it in its turn),
+``embedded`` (each placement's own engine in its process, as the loop's default).
 
-    python3 benchmarks/bench_ray_rollout.py OUT [--engine stand-in] [--modes in-process,ray-rank,ray-actor]
-        [--rounds 30] [--repeats 3] [--config examples/quickstart.toml]
+    python3 benchmarks/bench_ray_rollout.py OUT [--measure rollout] [--engine stand-in]
+        [--modes in-process,ray-rank,ray-actor] [--rounds 30] [--repeats 3] [--config examples/quickstart.toml]
 
-Each placement makes two untimed rollouts first. Writes ``OUT/ray-rollout.json`` (every rollout: the seconds the
-rank waited for its batch and the seconds the manager measured itself, ``perf/rollout_time``; the turn order;
-the summary) and ``OUT/ray-rollout.md``, and ``OUT/environment.json``. Needs Ray (and aiohttp for SGLang).
+Each placement makes two untimed rollouts or steps first. Writes ``OUT/ray-<measure>.json`` (every turn: the
+seconds, its phases, the turn order; the summary), ``OUT/ray-<measure>.md`` and ``OUT/environment.json``. Needs
+Ray (and aiohttp for SGLang).
 """
 
 from __future__ import annotations
@@ -42,66 +46,90 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("in-process", "ray-rank", "ray-actor")
 ENGINES = ("stand-in", "sglang", "embedded")
 BASE = "in-process"
-TARGET = 0.02  # issue 18: Ray adds at most 2 % (here: to the rollout)
-WARM_ROLLOUTS = 2
+TARGET = 0.02  # issue 18: Ray adds at most 2 % (to the step; here also to the rollout)
+WARM_TURNS = 2
 RESAMPLES = 2000
+MEASURES = ("rollout", "step")
+STEP_PHASES = ("rollout", "train", "update_weights")  # rl_step's perf/<phase>_time
 
 
-class RolloutHost:
-    """The loop's rollout as ``redline train`` builds it in this process; ``rollout()`` runs the next one."""
+class LoopHost:
+    """The loop as ``redline train`` builds it in this process: its rollout alone (``measure`` "rollout") or the
+    whole run (``"step"``); ``next_turn()`` runs the next rollout or RL step."""
 
-    def __init__(self, config):
-        from transformers import AutoTokenizer
-
+    def __init__(self, config, measure: str):
         from redline.long_lived import freeze_long_lived
-        from redline.loop.rollout_setup import build_rollout, trainer_device
-        from redline.loop.train import DTYPES
 
-        tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
-        self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
-        self.engine, self.rollout = build_rollout(config, tokenizer, device=trainer_device(config),
-                                                  dtype=DTYPES[config.model.dtype])
-        self.rollout_id = 0
+        self.turn, self.state = 0, None
+        if measure == "step":
+            from rich.console import Console
+
+            from redline.loop.train import build
+
+            self.state, _ = build(config, Console(quiet=True))
+        else:
+            from transformers import AutoTokenizer
+
+            from redline.loop.rollout_setup import build_rollout, trainer_device
+            from redline.loop.train import DTYPES
+
+            tokenizer = AutoTokenizer.from_pretrained(config.model.hf_checkpoint)
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.engine, self.rollout = build_rollout(config, tokenizer, device=trainer_device(config),
+                                                      dtype=DTYPES[config.model.dtype])
         freeze_long_lived()  # as the loop does before its first step
 
-    def next_rollout(self) -> tuple[float, float]:
-        """``(seconds until the batch is here, seconds the manager measured itself)`` of one rollout."""
+    def next_turn(self) -> tuple[float, dict[str, float]]:
+        """``(wall seconds, phases in seconds)`` of the next rollout (phases: ``manager``, the manager's own
+        ``perf/rollout_time``) or RL step (phases: ``STEP_PHASES`` from the step's ``perf/*``)."""
         start = time.perf_counter()
-        _, metrics = self.loop.run_until_complete(self.rollout.generate(self.rollout_id))
+        if self.state is None:
+            _, metrics = self.loop.run_until_complete(self.rollout.generate(self.turn))
+            phases = {"manager": metrics["perf/rollout_time"]}
+        else:
+            from redline.loop.step import rl_step
+
+            metrics = rl_step(self.state, self.turn)
+            phases = {phase: metrics[f"perf/{phase}_time"] for phase in STEP_PHASES}
         seconds = time.perf_counter() - start
-        self.rollout_id += 1
-        return seconds, metrics["perf/rollout_time"]
+        self.turn += 1
+        return seconds, phases
 
     def close(self) -> None:
+        if self.state is not None:
+            from redline.loop.train import shutdown
+
+            shutdown(self.state)
+            return
         self.loop.run_until_complete(self.rollout.close())
         self.loop.run_until_complete(self.engine.shutdown())
         self.loop.close()
 
 
-def serve_host(conn, config) -> None:
-    """A plain process's host: builds it, then answers "rollout" with ``next_rollout()`` until "close"."""
-    host = RolloutHost(config)
+def serve_host(conn, config, measure: str) -> None:
+    """A plain process's host: builds it, then answers "turn" with ``next_turn()`` until "close"."""
+    host = LoopHost(config, measure)
     conn.send("ready")
-    while conn.recv() == "rollout":
-        conn.send(host.next_rollout())
+    while conn.recv() == "turn":
+        conn.send(host.next_turn())
     host.close()
     conn.send("closed")
 
 
 class ProcessHost:
-    """``RolloutHost`` in a spawned process of its own (``in-process``)."""
+    """``LoopHost`` in a spawned process of its own (``in-process``)."""
 
-    def __init__(self, config):
+    def __init__(self, config, measure: str):
         context = multiprocessing.get_context("spawn")
         self.conn, theirs = context.Pipe()
-        self.process = context.Process(target=serve_host, args=(theirs, config), daemon=True)
+        self.process = context.Process(target=serve_host, args=(theirs, config, measure), daemon=True)
         self.process.start()
         if self.conn.recv() != "ready":
             raise RuntimeError("the in-process host did not start")
 
-    def next_rollout(self) -> tuple[float, float]:
-        self.conn.send("rollout")
+    def next_turn(self) -> tuple[float, dict[str, float]]:
+        self.conn.send("turn")
         return self.conn.recv()
 
     def close(self) -> None:
@@ -111,7 +139,7 @@ class ProcessHost:
 
 
 def rank_actor_class():
-    """``TrainerRank`` with a ``RolloutHost`` built and driven in one thread of its own, as a rank's training thread
+    """``TrainerRank`` with a ``LoopHost`` built and driven in one thread of its own, as a rank's training thread
     runs the loop while the actor's event loop answers the rollout manager actor."""
     from redline.loop.ray_launch import TrainerRank
 
@@ -124,11 +152,11 @@ def rank_actor_class():
         async def _in_thread(self, fn, *args):
             return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
 
-        async def build(self, config) -> None:
-            self.host = await self._in_thread(RolloutHost, config)
+        async def build(self, config, measure: str) -> None:
+            self.host = await self._in_thread(LoopHost, config, measure)
 
-        async def next_rollout(self) -> tuple[float, float]:
-            return await self._in_thread(self.host.next_rollout)
+        async def next_turn(self) -> tuple[float, dict[str, float]]:
+            return await self._in_thread(self.host.next_turn)
 
         async def close(self) -> None:
             await self._in_thread(self.host.close)
@@ -137,10 +165,10 @@ def rank_actor_class():
 
 
 class RayHost:
-    """``RolloutHost`` in a ``TrainerRank`` actor, with the rollout manager actor ``manager`` (None: the rank's own
+    """``LoopHost`` in a ``TrainerRank`` actor, with the rollout manager actor ``manager`` (None: the rank's own
     manager). The rank gets the torch threads a lone rank's bundle gives it (all this process's CPUs)."""
 
-    def __init__(self, config, manager: str | None):
+    def __init__(self, config, measure: str, manager: str | None):
         import ray
 
         from redline.loop.ray_engines import threads_env
@@ -152,10 +180,10 @@ class RayHost:
         self.actor = ray.remote(rank_actor_class()).options(
             num_cpus=0, num_gpus=gpus, runtime_env=threads_env(usable_cpus())).remote(
             {MANAGER_ENV: manager} if manager else {})
-        ray.get(self.actor.build.remote(config))
+        ray.get(self.actor.build.remote(config, measure))
 
-    def next_rollout(self) -> tuple[float, float]:
-        return tuple(self.ray.get(self.actor.next_rollout.remote()))
+    def next_turn(self) -> tuple[float, dict[str, float]]:
+        return tuple(self.ray.get(self.actor.next_turn.remote()))
 
     def close(self) -> None:
         self.ray.get(self.actor.close.remote())
@@ -164,10 +192,10 @@ class RayHost:
             self.ray.kill(self.ray.get_actor(self.manager))
 
 
-def start_host(mode: str, config, repeat: int):
+def start_host(mode: str, config, measure: str, repeat: int):
     if mode == "in-process":
-        return ProcessHost(config)
-    return RayHost(config, f"bench-rollout-manager-{repeat}" if mode == "ray-actor" else None)
+        return ProcessHost(config, measure)
+    return RayHost(config, measure, f"bench-rollout-manager-{repeat}" if mode == "ray-actor" else None)
 
 
 def turn_order(modes: tuple[str, ...], round_index: int) -> list[str]:
@@ -196,19 +224,20 @@ def verdict(low: float, high: float, target: float = TARGET) -> str:
 
 
 def summarize(records: list[dict], modes: tuple[str, ...]) -> dict:
-    """Per mode: the median rollout (ms), the manager's own median (ms) and the hop between them; against
-    ``in-process``, the round-paired differences (ms): their median over every round of every repeat, each repeat's
-    median, the median relative to in-process's median rollout with a two-stage bootstrap 95 % interval
-    (``bootstrap_median``), and the verdict against ``TARGET``. ``records``: one per rollout, ``{"repeat",
-    "round", "mode", "seconds", "manager_seconds"}``."""
+    """Per mode: the median turn (ms), each phase's median (ms) and the median of the rest (a rollout's hop: the
+    rank's wait beyond the manager's own time); against ``in-process``, the round-paired differences (ms): their
+    median over every round of every repeat, each repeat's median, the median relative to in-process's median turn
+    with a two-stage bootstrap 95 % interval (``bootstrap_median``), and the verdict against ``TARGET``.
+    ``records``: one per turn, ``{"repeat", "round", "mode", "seconds", "phases": {phase: seconds}}``."""
     by_turn = {(r["repeat"], r["round"], r["mode"]): r for r in records}
     summary = {}
     base = statistics.median(r["seconds"] for r in records if r["mode"] == BASE)
     for mode in modes:
         own = [r for r in records if r["mode"] == mode]
         row = {"median_ms": 1e3 * statistics.median(r["seconds"] for r in own),
-               "manager_median_ms": 1e3 * statistics.median(r["manager_seconds"] for r in own),
-               "hop_median_ms": 1e3 * statistics.median(r["seconds"] - r["manager_seconds"] for r in own)}
+               "phase_median_ms": {phase: 1e3 * statistics.median(r["phases"][phase] for r in own)
+                                   for phase in own[0]["phases"]},
+               "rest_median_ms": 1e3 * statistics.median(r["seconds"] - sum(r["phases"].values()) for r in own)}
         if mode != BASE:
             pairs = [(r["repeat"], 1e3 * (r["seconds"] - by_turn[r["repeat"], r["round"], BASE]["seconds"]))
                      for r in own if (r["repeat"], r["round"], BASE) in by_turn]
@@ -225,20 +254,27 @@ def summarize(records: list[dict], modes: tuple[str, ...]) -> dict:
     return summary
 
 
-def table(summary: dict) -> str:
-    rows = ["| placement | rollout (ms) | manager's own (ms) | hop (ms) | paired vs in-process (ms), 95 % | "
-            "each repeat (ms) | relative, 95 % | ≤ 2 % |",
-            "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+PHASE_COLUMNS = {"manager": "manager's own", "rollout": "rollout", "train": "train",
+                 "update_weights": "weight update"}
+
+
+def table(summary: dict, measure: str) -> str:
+    phases = list(next(iter(summary.values()))["phase_median_ms"])
+    rest = "hop" if measure == "rollout" else "other phases"
+    rows = [f"| placement | {measure} (ms) | " + " | ".join(f"{PHASE_COLUMNS[p]} (ms)" for p in phases)
+            + f" | {rest} (ms) | paired vs in-process (ms), 95 % | each repeat (ms) | relative, 95 % | ≤ 2 % |",
+            "| --- | ---: | " + "---: | " * len(phases) + "---: | ---: | --- | ---: | --- |"]
     for mode, s in summary.items():
+        cells = [f"{s['median_ms']:.1f}", *(f"{s['phase_median_ms'][p]:.1f}" for p in phases),
+                 f"{s['rest_median_ms']:.1f}"]
         if mode == BASE:
-            rows.append(f"| {mode} | {s['median_ms']:.1f} | {s['manager_median_ms']:.1f} | {s['hop_median_ms']:.1f} "
-                        f"| | | | |")
-            continue
-        repeats = ", ".join(f"{d:+.1f}" for d in s["per_repeat_ms"])
-        rows.append(f"| {mode} | {s['median_ms']:.1f} | {s['manager_median_ms']:.1f} | {s['hop_median_ms']:.1f} | "
-                    f"{s['paired_median_ms']:+.1f} [{s['paired_low_ms']:+.1f}, {s['paired_high_ms']:+.1f}] | "
-                    f"{repeats} | {100 * s['relative']:+.1f} % [{100 * s['relative_low']:+.1f}, "
-                    f"{100 * s['relative_high']:+.1f}] | {s['verdict']} |")
+            cells += ["", "", "", ""]
+        else:
+            cells += [f"{s['paired_median_ms']:+.1f} [{s['paired_low_ms']:+.1f}, {s['paired_high_ms']:+.1f}]",
+                      ", ".join(f"{d:+.1f}" for d in s["per_repeat_ms"]),
+                      f"{100 * s['relative']:+.1f} % [{100 * s['relative_low']:+.1f}, {100 * s['relative_high']:+.1f}]",
+                      s["verdict"]]
+        rows.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -272,20 +308,21 @@ def engine_overrides(engine: str, config, log_dir: Path):
         loop.close()
 
 
-def measure(config, modes: tuple[str, ...], rounds: int, repeats: int) -> list[dict]:
-    """Every timed rollout of every placement, the placements taking turns (``turn_order``)."""
+def measure(config, what: str, modes: tuple[str, ...], rounds: int, repeats: int) -> list[dict]:
+    """Every timed turn (rollout or step, ``what``) of every placement, the placements taking turns
+    (``turn_order``)."""
     records = []
     for repeat in range(repeats):
-        hosts = {mode: start_host(mode, config, repeat) for mode in modes}
+        hosts = {mode: start_host(mode, config, what, repeat) for mode in modes}
         try:
-            for _ in range(WARM_ROLLOUTS):
+            for _ in range(WARM_TURNS):
                 for host in hosts.values():
-                    host.next_rollout()
+                    host.next_turn()
             for round_index in range(rounds):
                 for position, mode in enumerate(turn_order(modes, round_index)):
-                    seconds, manager_seconds = hosts[mode].next_rollout()
+                    seconds, phases = hosts[mode].next_turn()
                     records.append({"repeat": repeat, "round": round_index, "position": position, "mode": mode,
-                                    "seconds": seconds, "manager_seconds": manager_seconds})
+                                    "seconds": seconds, "phases": phases})
         finally:
             for host in hosts.values():
                 host.close()
@@ -308,14 +345,18 @@ def parse_modes(text: str) -> tuple[str, ...]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
+    ap.add_argument("--measure", choices=MEASURES, default="rollout", help="what each turn times")
     ap.add_argument("--engine", choices=ENGINES, default="stand-in")
     ap.add_argument("--modes", type=parse_modes, default=MODES, help="comma-separated; in-process is the base")
-    ap.add_argument("--rounds", type=int, default=30, help="timed rollouts per placement and repeat")
+    ap.add_argument("--rounds", type=int, default=30, help="timed turns per placement and repeat")
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes for every placement each repeat")
     ap.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1:
         ap.error("--rounds and --repeats must be at least 1")
+    if args.measure == "step" and args.engine == "stand-in":
+        ap.error("--measure step pushes weights, which the stand-in cannot take (SGLang's CUDA-IPC serializer): "
+                 "use --engine embedded, or sglang on a GPU")
     import ray
 
     from redline.config import RunConfig
@@ -333,21 +374,23 @@ def main(argv=None) -> int:
             config = apply_overrides(config, overrides)
             ray.init(include_dashboard=False, logging_level="WARNING", **local_runtime(config))  # as local
             try:
-                records = measure(config, args.modes, args.rounds, args.repeats)
+                records = measure(config, args.measure, args.modes, args.rounds, args.repeats)
             finally:
                 ray.shutdown()
     summary = summarize(records, args.modes)
     date = time.strftime("%Y-%m-%d")
-    result = {"engine": args.engine, "config": str(args.config), "rounds": args.rounds, "repeats": args.repeats,
-              "modes": list(args.modes), "summary": summary, "records": records, "date": date}
-    (args.out / "ray-rollout.json").write_text(json.dumps(result, indent=1))
-    text = (f"# What Ray adds to the loop's rollout ({args.engine} engine, {date})\n\n"
-            f"`{args.config.name}`'s rollout; {args.repeats} repeats of fresh processes, {args.rounds} rounds each, "
-            f"the placements taking turns one rollout each (order rotated per round). Paired: each round's rollout "
-            f"minus in-process's of the same round; medians, 95 % intervals of a bootstrap over repeats, then "
-            f"rounds. Hop: the rank's wait for its batch minus the manager's own `perf/rollout_time`.\n\n"
-            f"{table(summary)}\n")
-    (args.out / "ray-rollout.md").write_text(text)
+    result = {"measure": args.measure, "engine": args.engine, "config": str(args.config), "rounds": args.rounds,
+              "repeats": args.repeats, "modes": list(args.modes), "summary": summary, "records": records,
+              "date": date}
+    (args.out / f"ray-{args.measure}.json").write_text(json.dumps(result, indent=1))
+    rest = ("Hop: the rank's wait for its batch minus the manager's own `perf/rollout_time`." if args.measure ==
+            "rollout" else "Phases: the step's `perf/*`; other: log-probs, idle and what no phase counts.")
+    text = (f"# What Ray adds to the loop's {args.measure} ({args.engine} engine, {date})\n\n"
+            f"`{args.config.name}`; {args.repeats} repeats of fresh processes, {args.rounds} rounds each, the "
+            f"placements taking turns one {args.measure} each (order rotated per round). Paired: each round's "
+            f"{args.measure} minus in-process's of the same round; medians, 95 % intervals of a bootstrap over "
+            f"repeats, then rounds. {rest}\n\n{table(summary, args.measure)}\n")
+    (args.out / f"ray-{args.measure}.md").write_text(text)
     print(text)
     return 0
 

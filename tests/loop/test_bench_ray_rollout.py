@@ -1,5 +1,5 @@
 """benchmarks/bench_ray_rollout.py: the placements take turns, each round's differences are paired, the verdict
-follows the interval, and the whole benchmark runs the loop's rollout in each placement."""
+follows the interval, and the whole benchmark runs the loop's rollout, or its whole step, in each placement."""
 
 import asyncio
 import json
@@ -32,7 +32,7 @@ def test_the_verdict_follows_the_interval_against_2_percent():
 
 def records(seconds_by_mode: dict[str, list[list[float]]]) -> list[dict]:
     """One record per rollout; the manager measured 1 ms less than the rank waited."""
-    return [{"repeat": repeat, "round": k, "mode": mode, "seconds": s, "manager_seconds": s - 0.001}
+    return [{"repeat": repeat, "round": k, "mode": mode, "seconds": s, "phases": {"manager": s - 0.001}}
             for mode, repeats in seconds_by_mode.items() for repeat, rounds in enumerate(repeats)
             for k, s in enumerate(rounds)]
 
@@ -48,11 +48,13 @@ def test_differences_are_paired_by_round_so_a_slow_round_cancels_out():
     assert actor["paired_low_ms"] == pytest.approx(1.5) and actor["paired_high_ms"] == pytest.approx(1.5)
     assert actor["per_repeat_ms"] == pytest.approx([1.5, 1.5])
     assert actor["relative"] == pytest.approx(0.015)  # of in-process's median rollout, 100 ms
-    assert actor["hop_median_ms"] == pytest.approx(1.0)
+    assert actor["rest_median_ms"] == pytest.approx(1.0)  # the hop: the rank's wait beyond the manager's own
+    assert actor["phase_median_ms"] == {"manager": pytest.approx(100.5)}
     assert summary["in-process"]["median_ms"] == pytest.approx(100.0)
     assert actor["verdict"] == "meets"
-    table = bench.table(summary)
-    assert "| ray-actor | 101.5 |" in table and "+1.5 [+1.5, +1.5]" in table and "| meets |" in table
+    table = bench.table(summary, "rollout")
+    assert "| manager's own (ms) | hop (ms) |" in table
+    assert "| ray-actor | 101.5 | 100.5 | 1.0 | +1.5 [+1.5, +1.5] |" in table and "| meets |" in table
 
 
 def test_a_placement_slower_by_more_than_the_noise_misses():
@@ -122,22 +124,64 @@ def test_sglang_is_launched_and_frozen_as_the_loop_does_it_and_attached_by_url(t
     assert Launched.stopped
 
 
+def step_records(phases_by_mode: dict[str, tuple[float, float, float]]) -> list[dict]:
+    """Two rounds of one repeat per mode; each step 5 ms longer than its rollout, train and weight update."""
+    return [{"repeat": 0, "round": k, "mode": mode, "seconds": sum(phases) + 0.005,
+             "phases": dict(zip(bench.STEP_PHASES, phases))} for mode, phases in phases_by_mode.items() for k in (0, 1)]
+
+
+def test_a_steps_table_shows_its_phases_and_what_they_leave():
+    summary = bench.summarize(step_records({"in-process": (0.080, 0.100, 0.004), "ray-actor": (0.090, 0.100, 0.005)}),
+                              ("in-process", "ray-actor"))
+    assert summary["ray-actor"]["phase_median_ms"] == pytest.approx({"rollout": 90.0, "train": 100.0,
+                                                                      "update_weights": 5.0})
+    assert summary["ray-actor"]["rest_median_ms"] == pytest.approx(5.0)
+    assert summary["ray-actor"]["paired_median_ms"] == pytest.approx(11.0)
+    table = bench.table(summary, "step")
+    assert "| placement | step (ms) | rollout (ms) | train (ms) | weight update (ms) | other phases (ms) |" in table
+    assert "| ray-actor | 200.0 | 90.0 | 100.0 | 5.0 | 5.0 | +11.0 [+11.0, +11.0] |" in table
+
+
+def test_steps_on_the_stand_in_are_refused_before_anything_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main([str(tmp_path), "--measure", "step", "--engine", "stand-in"])
+    assert "--measure step pushes weights, which the stand-in cannot take" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def run_bench(out, *args):
+    pytest.importorskip("ray", reason="the benchmark places the loop with Ray")
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ray_rollout.py"), str(out), *args], check=True,
+                   cwd=ROOT, timeout=600, capture_output=True)
+
+
 @pytest.mark.slow  # a Ray runtime, three placements each with its own embedded engine
 def test_the_benchmark_times_the_loops_rollout_in_each_placement(tmp_path):
-    pytest.importorskip("ray", reason="the benchmark places the rollout with Ray")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ray_rollout.py"), str(tmp_path),
-                    "--engine", "embedded", "--rounds", "3", "--repeats", "1"], check=True, cwd=ROOT, timeout=600,
-                   capture_output=True)
+    run_bench(tmp_path, "--engine", "embedded", "--rounds", "3", "--repeats", "1")
     result = json.loads((tmp_path / "ray-rollout.json").read_text())
     rollouts = result["records"]
     assert len(rollouts) == 3 * len(bench.MODES)
     assert [r["mode"] for r in rollouts[:3]] == bench.turn_order(bench.MODES, 0)
     assert [r["mode"] for r in rollouts[3:6]] == bench.turn_order(bench.MODES, 1)
-    assert all(0 < r["manager_seconds"] <= r["seconds"] for r in rollouts)
+    assert all(0 < r["phases"]["manager"] <= r["seconds"] for r in rollouts)
     # the rollout manager actor relays the embedded engine's calls through the rank: a hop the others do not make
-    hops = {mode: s["hop_median_ms"] for mode, s in result["summary"].items()}
+    hops = {mode: s["rest_median_ms"] for mode, s in result["summary"].items()}
     assert hops["ray-actor"] > max(hops["in-process"], hops["ray-rank"])
     assert {s.get("verdict") for m, s in result["summary"].items() if m != "in-process"} <= \
         {"meets", "misses", "unresolved"}
     assert "| ray-actor |" in (tmp_path / "ray-rollout.md").read_text()
     assert json.loads((tmp_path / "environment.json").read_text())["software"]
+
+
+@pytest.mark.slow  # a Ray runtime, two placements each building the whole run
+def test_the_benchmark_times_whole_steps_with_their_phases(tmp_path):
+    run_bench(tmp_path, "--measure", "step", "--engine", "embedded", "--modes", "in-process,ray-actor",
+              "--rounds", "2", "--repeats", "1")
+    result = json.loads((tmp_path / "ray-step.json").read_text())
+    steps = result["records"]
+    assert result["measure"] == "step" and [r["mode"] for r in steps] == ["in-process", "ray-actor", "ray-actor",
+                                                                          "in-process"]  # the order rotated
+    for step in steps:
+        assert set(step["phases"]) == set(bench.STEP_PHASES)
+        assert 0 < sum(step["phases"].values()) <= step["seconds"]
+    assert "| ray-actor |" in (tmp_path / "ray-step.md").read_text()
