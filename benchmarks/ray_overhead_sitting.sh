@@ -4,18 +4,20 @@
 #   SGLANG_INSTALL=/tmp/stage/sglang-install.sh bash benchmarks/ray_overhead_sitting.sh OUT   # repository root,
 #                                                                                             # Ray installed
 #
-# Whole runs of the same code differed by 29-53 % on the H200 guest (each process draws its own host speed), so
-# three pairs of them cannot resolve 2 %. The sitting measures the rollout first with bench_ray_rollout.py, whose
-# placements live in processes that stay up and take turns one rollout each (the differences paired per round), then
-# the whole-run pairs of ray_acceptance.py as before. Every run gets every hardware thread of the first half of the
-# physical cores (RAY_CPUS overrides, taskset syntax); OUT/spare-cpus names the rest, for the sitting's own work.
+# Whole runs of the same code differed by up to 45 % on the H200 guest (each process draws its own host speed), so
+# three pairs of them cannot resolve 2 %. The sitting measures the step first with bench_ray_rollout.py --measure
+# step, whose placements live in processes that stay up and take turns one RL step each (the differences paired per
+# round), then the whole-run pairs of ray_acceptance.py as before. Every run gets every hardware thread of the first
+# half of the physical cores (RAY_CPUS overrides, taskset syntax); OUT/spare-cpus names the rest, for the sitting's
+# own work.
 # 1. OUT/machine.txt: which CPUs share a core (lscpu), the GPU (nvidia-smi);
 # 2. with SGLANG_INSTALL=path/to/install.sh (stage.py's, its parts already in /tmp/stage/sglang/), SGLang's install,
 #    before any run: an install replaced tokenizers under a starting run's imports once
 #    (results/loop/ray-h200/direct-sglang-53aec28/); without it, the SGLang parts wait for OUT/sglang-ready, which
 #    whoever installs SGLang makes;
-# 3. the rollout alone (OUT/rollout-embedded/, then OUT/rollout-sglang/): in-process, ray-rank and ray-actor,
-#    ROLLOUT_REPEATS (default 4) repeats of ROLLOUT_ROUNDS (default 30) rounds;
+# 3. the step (OUT/step-embedded/, then OUT/step-sglang/: every placement pushing its weights to the one server in
+#    its turn), then SGLang's rollout alone (OUT/rollout-sglang/): in-process, ray-rank and ray-actor, TURN_REPEATS
+#    (default 4) repeats of TURN_ROUNDS (default 30) rounds;
 # 4. whole-run pairs: the in-process embedded engine, EMBEDDED_REPEATS (default 4) alternating repeats of 30 steps
 #    with and without Ray (OUT/embedded/, --rollout-manager RAY_MANAGER, default rank), then SGLang, SGLANG_REPEATS
 #    (default 3) (OUT/sglang/, RAY_MANAGER_SGLANG, default actor: the servers' HTTP client itself).
@@ -49,15 +51,15 @@ if [ -n "${SGLANG_INSTALL:-}" ]; then
   part 0-sglang-install 0 bash "$SGLANG_INSTALL"  # a failed install shows in its log and in the runs' own
   touch "$OUT/sglang-ready"
 fi
-ROLLOUT=(--rounds "${ROLLOUT_ROUNDS:-30}" --repeats "${ROLLOUT_REPEATS:-4}")
-part 1-rollout-embedded 0 taskset -c "$RUN_CPUS" python3 benchmarks/bench_ray_rollout.py "$OUT/rollout-embedded" \
-  --engine embedded "${ROLLOUT[@]}"
+TURNS=(--rounds "${TURN_ROUNDS:-30}" --repeats "${TURN_REPEATS:-4}")
+bench() { taskset -c "$RUN_CPUS" python3 benchmarks/bench_ray_rollout.py "$@" "${TURNS[@]}"; }
+part 1-step-embedded 0 bench "$OUT/step-embedded" --measure step --engine embedded
 while [ ! -e "$OUT/sglang-ready" ]; do sleep 2; done
-part 2-rollout-sglang 0 taskset -c "$RUN_CPUS" python3 benchmarks/bench_ray_rollout.py "$OUT/rollout-sglang" \
-  --engine sglang "${ROLLOUT[@]}"
-echo "$(date -u +%T) rollout benchmarks done" >> "$OUT/timeline.txt"
-part 3-embedded 0 python3 benchmarks/ray_acceptance.py "$OUT/embedded" --engines embedded \
+part 2-step-sglang 0 bench "$OUT/step-sglang" --measure step --engine sglang
+part 3-rollout-sglang 0 bench "$OUT/rollout-sglang" --measure rollout --engine sglang
+echo "$(date -u +%T) paired benchmarks done" >> "$OUT/timeline.txt"
+part 4-embedded 0 python3 benchmarks/ray_acceptance.py "$OUT/embedded" --engines embedded \
   --repeats "${EMBEDDED_REPEATS:-4}" --num-rollout 30 --cpus "$RUN_CPUS" --rollout-manager "${RAY_MANAGER:-rank}"
-part 4-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats "${SGLANG_REPEATS:-3}" \
+part 5-sglang 0 python3 benchmarks/ray_acceptance.py "$OUT/sglang" --engines sglang --repeats "${SGLANG_REPEATS:-3}" \
   --num-rollout 30 --cpus "$RUN_CPUS" --rollout-manager "${RAY_MANAGER_SGLANG:-actor}"
 echo "$(date -u +%T) done" >> "$OUT/timeline.txt"
