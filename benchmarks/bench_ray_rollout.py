@@ -143,7 +143,7 @@ def rank_actor_class():
     runs the loop while the actor's event loop answers the rollout manager actor."""
     from redline.loop.ray_launch import TrainerRank
 
-    class RolloutRank(TrainerRank):
+    class LoopRank(TrainerRank):
         def __init__(self, env: dict[str, str]):
             super().__init__(env)
             self.thread = ThreadPoolExecutor(1, thread_name_prefix="training")
@@ -161,7 +161,7 @@ def rank_actor_class():
         async def close(self) -> None:
             await self._in_thread(self.host.close)
 
-    return RolloutRank
+    return LoopRank
 
 
 class RayHost:
