@@ -155,33 +155,31 @@ def run_bench(out, *args):
                    cwd=ROOT, timeout=600, capture_output=True)
 
 
-@pytest.mark.slow  # a Ray runtime, three placements each with its own embedded engine
-def test_the_benchmark_times_the_loops_rollout_in_each_placement(tmp_path):
-    run_bench(tmp_path, "--engine", "embedded", "--rounds", "3", "--repeats", "1")
-    result = json.loads((tmp_path / "ray-rollout.json").read_text())
-    rollouts = result["records"]
-    assert len(rollouts) == 3 * len(bench.MODES)
-    assert [r["mode"] for r in rollouts[:3]] == bench.turn_order(bench.MODES, 0)
-    assert [r["mode"] for r in rollouts[3:6]] == bench.turn_order(bench.MODES, 1)
-    assert all(0 < r["phases"]["manager"] <= r["seconds"] for r in rollouts)
-    # the rollout manager actor relays the embedded engine's calls through the rank: a hop the others do not make
-    hops = {mode: s["rest_median_ms"] for mode, s in result["summary"].items()}
-    assert hops["ray-actor"] > max(hops["in-process"], hops["ray-rank"])
-    assert {s.get("verdict") for m, s in result["summary"].items() if m != "in-process"} <= \
-        {"meets", "misses", "unresolved"}
-    assert "| ray-actor |" in (tmp_path / "ray-rollout.md").read_text()
-    assert json.loads((tmp_path / "environment.json").read_text())["software"]
+def test_a_rollout_host_times_the_loops_rollout_beside_the_managers_own_time(tmp_path):
+    from redline.configfile import apply_overrides
+    from redline.loop.builtin import materialize
+
+    config = small_config(tmp_path)
+    host = bench.LoopHost(apply_overrides(config, materialize(config, tmp_path / "builtin")), "rollout")
+    try:
+        turns = [host.next_turn() for _ in range(2)]
+    finally:
+        host.close()
+    assert all(set(phases) == {"manager"} and 0 < phases["manager"] <= seconds for seconds, phases in turns)
 
 
-@pytest.mark.slow  # a Ray runtime, two placements each building the whole run
-def test_the_benchmark_times_whole_steps_with_their_phases(tmp_path):
-    run_bench(tmp_path, "--measure", "step", "--engine", "embedded", "--modes", "in-process,ray-actor",
-              "--rounds", "2", "--repeats", "1")
+@pytest.mark.slow  # a Ray runtime, three placements each building the whole run
+def test_the_benchmark_times_whole_steps_in_each_placement_with_their_phases(tmp_path):
+    run_bench(tmp_path, "--measure", "step", "--engine", "embedded", "--rounds", "2", "--repeats", "1")
     result = json.loads((tmp_path / "ray-step.json").read_text())
     steps = result["records"]
-    assert result["measure"] == "step" and [r["mode"] for r in steps] == ["in-process", "ray-actor", "ray-actor",
-                                                                          "in-process"]  # the order rotated
+    assert result["measure"] == "step"
+    assert [r["mode"] for r in steps] == bench.turn_order(bench.MODES, 0) + bench.turn_order(bench.MODES, 1)
     for step in steps:
         assert set(step["phases"]) == set(bench.STEP_PHASES)
         assert 0 < sum(step["phases"].values()) <= step["seconds"]
+    assert set(result["summary"]) == set(bench.MODES)
+    assert {s["verdict"] for m, s in result["summary"].items() if m != "in-process"} <= \
+        {"meets", "misses", "unresolved"}
     assert "| ray-actor |" in (tmp_path / "ray-step.md").read_text()
+    assert json.loads((tmp_path / "environment.json").read_text())["software"]
