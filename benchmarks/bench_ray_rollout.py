@@ -64,9 +64,11 @@ class LoopHost:
         if measure == "step":
             from rich.console import Console
 
+            from redline.loop.step import rl_step
             from redline.loop.train import build
 
             self.state, _ = build(config, Console(quiet=True))
+            self.rl_step = rl_step
         else:
             from transformers import AutoTokenizer
 
@@ -88,9 +90,7 @@ class LoopHost:
             _, metrics = self.loop.run_until_complete(self.rollout.generate(self.turn))
             phases = {"manager": metrics["perf/rollout_time"]}
         else:
-            from redline.loop.step import rl_step
-
-            metrics = rl_step(self.state, self.turn)
+            metrics = self.rl_step(self.state, self.turn)
             phases = {phase: metrics[f"perf/{phase}_time"] for phase in STEP_PHASES}
         seconds = time.perf_counter() - start
         self.turn += 1
@@ -357,10 +357,15 @@ def main(argv=None) -> int:
     if args.measure == "step" and args.engine == "stand-in":
         ap.error("--measure step pushes weights, which the stand-in cannot take (SGLang's CUDA-IPC serializer): "
                  "use --engine embedded, or sglang on a GPU")
+    from redline.config import RunConfig
+    from redline.configfile import ConfigError, apply_overrides, load_toml
+
+    try:
+        config = load_toml(RunConfig, args.config)
+    except ConfigError as error:  # before anything is written to OUT
+        ap.error(f"--config: {error}")
     import ray
 
-    from redline.config import RunConfig
-    from redline.configfile import apply_overrides, load_toml
     from redline.env_report import write_environment
     from redline.loop.builtin import materialize
     from redline.loop.ray_launch import local_runtime
@@ -368,7 +373,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_environment(args.out)
     with tempfile.TemporaryDirectory() as scratch:
-        config = apply_overrides(load_toml(RunConfig, args.config), {"output_dir": scratch})
+        config = apply_overrides(config, {"output_dir": scratch})
         config = apply_overrides(config, materialize(config, Path(scratch) / "builtin"))
         with engine_overrides(args.engine, config, args.out / "engine-logs") as overrides:
             config = apply_overrides(config, overrides)

@@ -149,6 +149,13 @@ def test_steps_on_the_stand_in_are_refused_before_anything_starts(tmp_path, caps
     assert not any(tmp_path.iterdir())
 
 
+def test_a_missing_config_is_refused_naming_it_before_anything_is_written(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main([str(tmp_path / "out"), "--config", str(tmp_path / "missing.toml")])
+    assert f"--config: config file {tmp_path / 'missing.toml'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def run_bench(out, *args):
     pytest.importorskip("ray", reason="the benchmark places the loop with Ray")
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ray_rollout.py"), str(out), *args], check=True,
